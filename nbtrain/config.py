@@ -1,0 +1,82 @@
+"""Settings: one place for every default and every timeout.
+
+A value comes from, in order: the keyword passed in code, the environment variable
+``NBTRAIN_<NAME>`` (upper case), Dask's config key ``nbtrain.<name-with-dashes>``, the default
+below. Cluster operators can therefore configure nbtrain like Dask itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+import dask.config
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """Tunables of the controller and the rank runtime (seconds unless named otherwise)."""
+
+    #: How long ranks wait for rank 0's rendezvous store. Longer than a worker's cold start.
+    rendezvous_timeout_s: float = 60.0
+    #: Timeout of one gloo/NCCL collective. Should be longer than the slowest step, or a
+    #: slow-but-healthy step is reported as a failure.
+    collective_timeout_s: float = 120.0
+    #: How often rank 0 polls the job's control variable (stop/checkpoint/preempt requests).
+    control_poll_s: float = 0.1
+    #: Step records are batched and sent at most this often per rank.
+    event_flush_s: float = 0.25
+    #: ... or when this many records are buffered.
+    event_batch_max: int = 512
+    #: Controller loop wake-up period when nothing else wakes it.
+    controller_tick_s: float = 0.05
+    #: How often the controller refreshes the worker (slot) inventory from the scheduler.
+    inventory_refresh_s: float = 0.5
+    #: After the first rank fails, how long the other ranks get to exit before their tasks are
+    #: cancelled and their workers restarted.
+    failure_grace_s: float = 10.0
+    #: Torch intra-op threads per rank on CPU; 0 = the host's cores divided among its slots.
+    rank_threads: int = 0
+    #: Quiet Dask's own background work on embedded workers: the statistical profiler off and
+    #: the system/memory monitors slowed. On two cores they otherwise cost ~8% of step rate.
+    quiet_workers: bool = True
+    #: Text progress lines at most this often (seconds).
+    progress_interval_s: float = 2.0
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def load(cls, **overrides: Any) -> Settings:
+        """Defaults, then Dask config, then environment, then ``overrides``."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            default = f.default
+            value: Any = dask.config.get(f"nbtrain.{f.name.replace('_', '-')}", default)
+            env = os.environ.get(f"NBTRAIN_{f.name.upper()}")
+            if env is not None:
+                value = env
+            values[f.name] = _coerce(f.name, value, type(default))
+        for key, value in overrides.items():
+            if key not in values:
+                known = ", ".join(sorted(values))
+                raise TypeError(f"unknown nbtrain setting {key!r}; known settings: {known}")
+            values[key] = _coerce(key, value, type(values[key]))
+        return cls(**values)
+
+
+def _coerce(name: str, value: Any, kind: type) -> Any:
+    if isinstance(value, kind):
+        return value
+    try:
+        if kind is bool:
+            if isinstance(value, str):
+                return value.strip().lower() in ("1", "true", "yes", "on")
+            return bool(value)
+        return kind(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"nbtrain setting {name} must be a {kind.__name__}, got {value!r}"
+        ) from exc

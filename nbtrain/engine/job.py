@@ -1,0 +1,194 @@
+"""``JobHandle``: the notebook's handle on one job. Every method returns at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+from nbtrain.core.job import JobSpec, JobState
+from nbtrain.runtime.events import STEP_COLUMNS
+
+if TYPE_CHECKING:
+    from nbtrain.engine.controller import Controller
+
+
+class JobFailedError(RuntimeError):
+    """Raised by :meth:`JobHandle.result` when the job failed."""
+
+
+class JobHandle:
+    """Live view and controls of one job. State is written by the controller thread only."""
+
+    def __init__(self, spec: JobSpec, recipe: bytes, controller: Controller) -> None:
+        self.spec = spec
+        self._recipe = recipe
+        self._controller = controller
+        self._lock = threading.RLock()
+        self._done = threading.Event()
+        self._state = JobState.QUEUED
+        self._reason = "waiting for the scheduler"
+        self._generation = -1
+        self._slots: list[str] = []
+        self._rows: list[tuple[Any, ...]] = []  # (gen, rank, *STEP_COLUMNS, metrics)
+        self._events: list[dict[str, Any]] = []
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
+        self._step = 0
+        self._error: str | None = None
+        self.submitted_at = time.time()
+        self.started_at: float | None = None
+        self.ended_at: float | None = None
+
+    # -- identity -----------------------------------------------------------------------
+    @property
+    def id(self) -> str:
+        return self.spec.job_id
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    # -- state (read from any thread) ---------------------------------------------------
+    @property
+    def status(self) -> JobState:
+        with self._lock:
+            return self._state
+
+    @property
+    def reason(self) -> str:
+        """Why the job is in its state: what it waits for, or how it ended."""
+        with self._lock:
+            return self._reason
+
+    @property
+    def generation(self) -> int:
+        with self._lock:
+            return self._generation
+
+    @property
+    def slots(self) -> list[str]:
+        """Dask worker addresses, index = rank (empty while not holding slots)."""
+        with self._lock:
+            return list(self._slots)
+
+    @property
+    def step(self) -> int:
+        """Steps completed (as last reported by rank 0)."""
+        with self._lock:
+            return self._step
+
+    @property
+    def error(self) -> str | None:
+        """The failure report (rank, step, remote traceback) when FAILED."""
+        with self._lock:
+            return self._error
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """Non-step events (rank started/finished/failed, state changes), oldest first."""
+        with self._lock:
+            return list(self._events)
+
+    @property
+    def metrics(self) -> pd.DataFrame:
+        """One row per rank per step: phase times in seconds and the recipe's metrics."""
+        with self._lock:
+            rows = list(self._rows)
+        base = ["generation", "rank", *STEP_COLUMNS]
+        if not rows:
+            return pd.DataFrame(columns=base)
+        frame = pd.DataFrame([r[: len(base)] for r in rows], columns=base)
+        extra = [r[len(base)] if len(r) > len(base) else {} for r in rows]
+        if any(extra):
+            frame = frame.join(pd.DataFrame(extra, index=frame.index))
+        return frame
+
+    def rows_since(self, index: int) -> tuple[list[tuple[Any, ...]], int]:
+        """Step rows appended after position ``index``, and the new position (for live views)."""
+        with self._lock:
+            return self._rows[index:], len(self._rows)
+
+    def subscribe(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """Call ``listener(event)`` for each future non-step event (on the controller thread:
+        keep it short and thread-safe)."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    # -- controls -----------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop at the next step boundary (or leave the queue) and release the slots."""
+        self._controller.request(self, "stop")
+
+    def wait(self, timeout: float | None = None) -> JobState:
+        """Block until the job ends; return its final state. Raises TimeoutError."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(
+                f"job {self.name} still {self.status.value} after {timeout} s "
+                f"(step {self.step}/{self.spec.steps}); call job.stop() to end it"
+            )
+        return self.status
+
+    def result(self, timeout: float | None = None) -> JobHandle:
+        """Wait, then raise :class:`JobFailedError` unless the job succeeded."""
+        state = self.wait(timeout)
+        if state is not JobState.SUCCEEDED:
+            raise JobFailedError(f"job {self.name} {state.value}: {self.reason}\n{self.error or ''}")
+        return self
+
+    # -- controller side (called on the controller thread) --------------------------------
+    def _set_state(self, state: JobState, reason: str) -> None:
+        with self._lock:
+            if self._state is state and self._reason == reason:
+                return
+            self._state = state
+            self._reason = reason
+            if state.terminal:
+                self.ended_at = time.time()
+        self._add_event({"kind": "state", "state": state.value, "reason": reason})
+        if state.terminal:
+            self._done.set()
+
+    def _add_event(self, event: dict[str, Any]) -> None:
+        event.setdefault("time", time.time())
+        with self._lock:
+            self._events.append(event)
+            listeners = list(self._listeners)
+        for listener in listeners:
+            try:
+                listener(event)
+            except Exception:  # a broken view must not break the controller
+                pass
+
+    def _add_rows(self, generation: int, rank: int, rows: list[list[Any]]) -> None:
+        with self._lock:
+            for row in rows:
+                self._rows.append((generation, rank, *row))
+            if rank == 0 and rows:
+                self._step = max(self._step, int(rows[-1][0]))
+
+    # -- notebook display -----------------------------------------------------------------
+    def __repr__(self) -> str:
+        return (f"<JobHandle {self.name} {self.status.value} step {self.step}/{self.spec.steps} "
+                f"world_size={self.spec.world_size}: {self.reason}>")
+
+    def _repr_html_(self) -> str:
+        import html
+
+        state = self.status.value
+        colour = {"RUNNING": "#2a7", "SUCCEEDED": "#27a", "FAILED": "#c33",
+                  "QUEUED": "#a80"}.get(state, "#666")
+        err = (f"<pre style='max-height:12em;overflow:auto'>{html.escape(self.error)}</pre>"
+               if self.error else "")
+        return (
+            f"<div><b>nbtrain job {html.escape(self.name)}</b> "
+            f"<span style='color:{colour}'>{state}</span> — step {self.step}/{self.spec.steps}, "
+            f"world size {self.spec.world_size}, generation {max(self.generation, 0)}<br>"
+            f"<i>{html.escape(self.reason)}</i>{err}</div>"
+        )
