@@ -1,0 +1,174 @@
+"""Copy a rank's training state into host memory: the only blocking part of a checkpoint.
+
+The training loop may change its parameters again as soon as this returns, so the snapshot
+must be a real copy; it must also be cheap, because the loop pays for it at every checkpoint.
+So the host buffers are allocated once and reused: each later snapshot with the same tensor
+shapes is one ``copy_`` per tensor into the buffer it used last time, no pickling and no
+allocation. CUDA tensors go to pinned buffers with non-blocking copies and one stream
+synchronization at the end.
+
+The buffers belong to the snapshotter: a snapshot is valid until the next ``snapshot()``
+call. ``AsyncCheckpointer`` keeps at most one checkpoint in flight for exactly this reason.
+
+The state is whatever ``Recipe.setup`` returned: dicts, lists and tuples of tensors and plain
+values, and objects with ``state_dict()`` (modules, optimizers, LR schedulers, the data
+loader), which are called and their result copied. The copy holds only types that
+``torch.load(..., weights_only=True)`` can read back.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["HostSnapshotter", "Snapshot", "SnapshotError"]
+
+_PLAIN = (int, float, bool, str, bytes, type(None), complex, torch.dtype, torch.device)
+
+Path = tuple[Any, ...]
+
+
+class SnapshotError(TypeError):
+    """The state holds something a checkpoint cannot carry; the message names where."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A host copy of the state. ``state`` shares buffers with the snapshotter that made it."""
+
+    state: Any
+    nbytes: int  # bytes of tensor data in the snapshot
+    tensors: int  # distinct tensor buffers
+    allocated_bytes: int  # bytes of buffers newly allocated by this snapshot (0 when reused)
+
+
+def _where(path: Path) -> str:
+    return "state" + "".join(f"[{p!r}]" for p in path)
+
+
+class HostSnapshotter:
+    """Reusable host buffers keyed by the position of each tensor in the state.
+
+    pin_memory: pin the buffers of CUDA tensors (None: pin when CUDA is available). Pinned
+        memory makes device-to-host copies asynchronous and about twice as fast, at the price
+        of page-locked RAM the OS cannot swap.
+    """
+
+    def __init__(self, *, pin_memory: bool | None = None) -> None:
+        self._pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        self._buffers: dict[Path, torch.Tensor] = {}
+        # per snapshot:
+        self._seen: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._used: dict[Path, torch.Tensor] = {}
+        self._nbytes = 0
+        self._allocated = 0
+        self._cuda_devices: set[torch.device] = set()
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of host memory the snapshotter holds between checkpoints."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def release(self) -> None:
+        """Free the buffers (the next snapshot allocates again)."""
+        self._buffers = {}
+
+    def snapshot(self, state: Any) -> Snapshot:
+        """Copy ``state`` to host memory and return it with its byte size."""
+        self._seen = {}
+        self._used = {}
+        self._nbytes = 0
+        self._allocated = 0
+        self._cuda_devices = set()
+        with torch.no_grad():
+            copied = self._copy(state, ())
+        for dev in self._cuda_devices:
+            torch.cuda.current_stream(dev).synchronize()
+        # Buffers for tensors no longer in the state are dropped, so memory follows the state.
+        self._buffers = self._used
+        tensors = len(self._seen)
+        self._seen = {}
+        return Snapshot(
+            state=copied, nbytes=self._nbytes, tensors=tensors, allocated_bytes=self._allocated
+        )
+
+    # -- walking ------------------------------------------------------------------------------
+    def _copy(self, value: Any, path: Path) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self._copy_tensor(value, path)
+        if isinstance(value, _PLAIN):
+            return value
+        if isinstance(value, Mapping):
+            out: dict[Any, Any]
+            if isinstance(value, collections.OrderedDict):
+                out = collections.OrderedDict()
+                meta = getattr(value, "_metadata", None)  # module versions for load_state_dict
+                if meta is not None:
+                    out._metadata = self._copy(meta, (*path, "_metadata"))  # type: ignore[attr-defined]
+            else:
+                out = {}
+            for k, v in value.items():
+                if not isinstance(k, _PLAIN):
+                    raise SnapshotError(
+                        f"{_where(path)} has a key of type {type(k).__name__}; checkpoint "
+                        "dict keys must be str, int, float, bool or None"
+                    )
+                out[k] = self._copy(v, (*path, k))
+            return out
+        if isinstance(value, torch.Size):
+            return value
+        if isinstance(value, (list, tuple)):
+            items = [self._copy(v, (*path, i)) for i, v in enumerate(value)]
+            return items if isinstance(value, list) else tuple(items)
+        if isinstance(value, np.generic):
+            return value.item()
+        state_dict = getattr(value, "state_dict", None)
+        if callable(state_dict):
+            return self._copy(state_dict(), path)
+        if isinstance(value, np.ndarray):
+            raise SnapshotError(
+                f"{_where(path)} is a numpy array of shape {value.shape}; checkpoints are loaded "
+                "with weights_only=True, which refuses numpy objects: store "
+                "torch.from_numpy(array) instead"
+            )
+        raise SnapshotError(
+            f"{_where(path)} is a {type(value).__module__}.{type(value).__qualname__}, which a "
+            "checkpoint cannot carry: give it a state_dict() method, or store tensors, dicts, "
+            "lists, tuples and int/float/bool/str/None"
+        )
+
+    def _copy_tensor(self, t: torch.Tensor, path: Path) -> torch.Tensor:
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            raise SnapshotError(
+                f"{_where(path)} is a tensor subclass {type(t).__name__}, not supported yet: "
+                "store its local or full tensor"
+            )
+        if t.layout != torch.strided or t.is_quantized:
+            raise SnapshotError(
+                f"{_where(path)} has layout {t.layout} (quantized={t.is_quantized}); only dense "
+                "tensors are supported: store t.to_dense() or t.dequantize()"
+            )
+        # Tied weights appear under several keys as views of one storage: copy them once.
+        key = (t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride())
+        done = self._seen.get(key)
+        if done is not None:
+            return done
+        buf = self._buffers.get(path)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            pin = self._pin and t.device.type == "cuda"
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            self._allocated += buf.numel() * buf.element_size()
+        if t.device.type == "cuda":
+            buf.copy_(t, non_blocking=buf.is_pinned())
+            self._cuda_devices.add(t.device)
+        else:
+            buf.copy_(t)
+        self._used[path] = buf
+        self._seen[key] = buf
+        self._nbytes += buf.numel() * buf.element_size()
+        return buf
