@@ -12,6 +12,7 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -29,6 +30,10 @@ class Phase(str, enum.Enum):
 
 
 PHASES: tuple[Phase, ...] = (Phase.DATA, Phase.COMPUTE, Phase.COMM, Phase.OPT)
+
+#: Leading columns of a step row in the rank loop's event stream (``time`` is wall time,
+#: unused here). Kept equal to ``nbtrain.runtime.events.STEP_COLUMNS`` by a test.
+ROW_COLUMNS = ("step", "time", "step_s", "data_s", "compute_s", "comm_s", "opt_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +67,28 @@ class StepRecord:
                     f"(rank {self.rank}, step {self.step}); clamp tiny negative differences of "
                     "perf_counter readings at 0 before building the record"
                 )
+
+    @classmethod
+    def from_row(cls, rank: int, row: Sequence[Any]) -> StepRecord:
+        """A record from one step row of the rank loop's event stream.
+
+        The row's leading columns are ``ROW_COLUMNS`` (the runtime's ``STEP_COLUMNS``);
+        anything after them (the step's metrics) is ignored.
+        """
+        if len(row) < len(ROW_COLUMNS):
+            raise ValueError(
+                f"a step row needs the columns {ROW_COLUMNS}, got {len(row)} values: {row!r}"
+            )
+        step, _, step_s, data_s, compute_s, comm_s, opt_s = row[: len(ROW_COLUMNS)]
+        return cls(
+            rank=rank,
+            step=int(step),
+            step_s=float(step_s),
+            data_s=float(data_s),
+            compute_s=float(compute_s),
+            comm_s=float(comm_s),
+            opt_s=float(opt_s),
+        )
 
     def phase_s(self, phase: Phase) -> float:
         """The seconds this record spent in ``phase``."""
@@ -135,4 +162,4 @@ class StepFrame:
         return cls(step=step, step_s=np.asarray(step_s, dtype=np.float64), phases=phases)
 
 
-__all__ = ["PHASES", "FloatArray", "Phase", "StepFrame", "StepRecord"]
+__all__ = ["PHASES", "ROW_COLUMNS", "FloatArray", "Phase", "StepFrame", "StepRecord"]

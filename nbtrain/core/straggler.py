@@ -293,11 +293,14 @@ class StragglerDetector:
             self._resize_window(new.window)
         dropped = [i for i, p in enumerate(PHASES) if p not in new.phases]
         events: list[Diagnosis] = []
-        if self._last_step is not None:
-            for pi in dropped:
+        for pi in dropped:
+            if self._last_step is not None:
                 for rank in np.flatnonzero(self._state[pi] > 0):
-                    self._state[pi, rank] = 0
                     events.append(self._diagnose(pi, int(rank), Verdict.CLEARED, self._last_step))
+            self._state[pi] = 0
+            self._votes[:, pi] = False
+            self._count[pi] = 0
+            self._run_start[pi] = -1
         return events
 
     def reset(self, world_size: int, *, start_step: int = 0) -> list[Diagnosis]:

@@ -1,0 +1,363 @@
+"""Pure straggler detector: verdicts from synthetic DDP-coupled step timings (no cluster)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nbtrain.core.records import PHASES, ROW_COLUMNS, Phase, StepFrame, StepRecord
+from nbtrain.core.straggler import (
+    HINTS,
+    Diagnosis,
+    StragglerDetector,
+    StragglerSettings,
+    Verdict,
+    leave_one_out_median,
+    residual_comm,
+)
+
+BASE = {Phase.DATA: 0.015, Phase.COMPUTE: 0.060, Phase.OPT: 0.010}
+
+
+def ddp_frames(
+    n: int,
+    steps: int,
+    *,
+    seed: int = 0,
+    slow: tuple[int, Phase, float, int, int] | None = None,
+    spike_prob: float = 0.0,
+    noise: float = 0.05,
+    warm: tuple[int, float, int] | None = None,
+) -> list[StepFrame]:
+    """Frames of a synchronous job: ranks' own phases vary, the all-reduce couples them.
+
+    ``slow`` = (rank, phase, factor, onset, end); ``warm`` = (rank, factor, until_step).
+    Each rank is ready after its previous optimizer step, data and compute; the all-reduce
+    completes after the last one, so the comm wait absorbs the differences and step times
+    are (nearly) equal across ranks, as under DDP.
+    """
+    rng = np.random.default_rng(seed)
+    frames = []
+    prev_opt = None
+    for t in range(steps):
+        common = math.exp(rng.normal(0.0, 0.1))
+        own = {p: BASE[p] * common * np.exp(rng.normal(0.0, noise, n)) for p in BASE}
+        if spike_prob:
+            for p in BASE:
+                own[p] = np.where(rng.random(n) < spike_prob / 3, own[p] * 3.0, own[p])
+        if slow is not None and slow[3] <= t < slow[4]:
+            own[slow[1]][slow[0]] *= slow[2]
+        if warm is not None and t < warm[2]:
+            own[Phase.COMPUTE][warm[0]] *= warm[1]
+        opt_before = own[Phase.OPT] if prev_opt is None else prev_opt
+        ready = opt_before + own[Phase.DATA] + own[Phase.COMPUTE]
+        done = ready.max() + 0.015 * math.exp(rng.normal(0.0, noise))
+        comm = done - ready
+        step_s = done - opt_before + own[Phase.OPT]
+        prev_opt = own[Phase.OPT]
+        frames.append(
+            StepFrame.from_arrays(
+                t, step_s=step_s, data_s=own[Phase.DATA], compute_s=own[Phase.COMPUTE],
+                comm_s=comm, opt_s=own[Phase.OPT],
+            )
+        )
+    return frames
+
+
+def run(det: StragglerDetector, frames: list[StepFrame]) -> list[Diagnosis]:
+    events: list[Diagnosis] = []
+    for f in frames:
+        events += det.observe_frame(f)
+    return events
+
+
+def records_of(frame: StepFrame) -> list[StepRecord]:
+    return [
+        StepRecord(
+            rank=r, step=frame.step, step_s=float(frame.step_s[r]),
+            data_s=float(frame.phases[0, r]), compute_s=float(frame.phases[1, r]),
+            comm_s=float(frame.phases[2, r]), opt_s=float(frame.phases[3, r]),
+        )
+        for r in range(frame.world_size)
+    ]
+
+
+# -- statistics --------------------------------------------------------------------------------
+
+
+@given(
+    st.lists(
+        st.lists(st.floats(0, 1e3, allow_nan=False), min_size=2, max_size=9),
+        min_size=1, max_size=3,
+    ).filter(lambda rows: len({len(r) for r in rows}) == 1)
+)
+def test_leave_one_out_median_matches_brute_force(rows: list[list[float]]) -> None:
+    values = np.array(rows, dtype=np.float64)
+    got = leave_one_out_median(values)
+    for i in range(values.shape[0]):
+        for j in range(values.shape[1]):
+            expected = np.median(np.delete(values[i], j))
+            assert got[i, j] == pytest.approx(expected)
+
+
+def test_residual_comm_removes_waiting_for_a_late_peer() -> None:
+    # rank 2 computes 30 ms longer; everyone else waits for it, then 15 ms of all-reduce
+    phases = np.array([
+        [0.01, 0.01, 0.01],  # data
+        [0.05, 0.05, 0.08],  # compute
+        [0.045, 0.045, 0.015],  # comm wait
+        [0.01, 0.01, 0.01],  # opt
+    ])
+    assert residual_comm(phases, None) == pytest.approx([0.015, 0.015, 0.015])
+
+
+def test_step_times_in_the_synthetic_job_are_equal_across_ranks() -> None:
+    frames = ddp_frames(8, 50, slow=(3, Phase.COMPUTE, 2.0, 0, 50))
+    for f in frames[1:]:
+        assert f.step_s.max() / f.step_s.min() < 1.03  # the premise of the whole exercise
+
+
+# -- the issue's tests -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("factor", [1.3, 1.5, 2.0])
+@pytest.mark.parametrize("phase", [Phase.COMPUTE, Phase.DATA])
+def test_persistent_slowdown_of_one_rank_among_8_is_flagged(factor: float, phase: Phase) -> None:
+    onset, end = 100, 300
+    det = StragglerDetector(8)
+    events = run(det, ddp_frames(8, 340, seed=int(factor * 10), slow=(5, phase, factor,
+                                                                     onset, end)))
+    flagged = {(e.rank, e.phase) for e in events}
+    assert flagged == {(5, phase)}, [e.summary() for e in events]
+    kinds = [e.state for e in events]
+    assert kinds == [Verdict.SUSPECT, Verdict.CONFIRMED, Verdict.CLEARED]
+    suspect, confirmed, cleared = events
+    assert onset <= suspect.step <= onset + 30
+    assert onset <= suspect.since_step <= suspect.step
+    assert confirmed.step - suspect.step > det.settings.confirm_steps - 1
+    assert cleared.step >= end
+    assert suspect.ratio > 1.15
+    assert suspect.hint == HINTS[phase]
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**16))
+def test_transient_3x_spikes_on_5_percent_of_steps_confirm_nothing(seed: int) -> None:
+    det = StragglerDetector(8)
+    events = run(det, ddp_frames(8, 1500, seed=seed, spike_prob=0.05))
+    assert [e for e in events if e.state is Verdict.CONFIRMED] == []
+    assert [e for e in events if e.state is Verdict.SUSPECT] == []
+
+
+def test_a_burst_shorter_than_the_vote_is_ignored_by_construction() -> None:
+    s = StragglerSettings()
+    burst = s.suspect_votes - 1  # five 10x steps in a row: never enough votes
+    frames = ddp_frames(4, 100, slow=(1, Phase.COMPUTE, 10.0, 50, 50 + burst))
+    assert run(StragglerDetector(4, s), frames) == []
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_waiting_ranks_are_not_blamed_for_comm(world_size: int) -> None:
+    frames = ddp_frames(world_size, 200, slow=(0, Phase.COMPUTE, 1.5, 40, 200))
+    events = run(StragglerDetector(world_size), frames)
+    # total step times are equal, the peers wait far longer in comm, yet only rank 0 compute
+    assert frames[-1].phases[2, 1:].min() > 2 * frames[-1].phases[2, 0]
+    assert {(e.rank, e.phase) for e in events} == {(0, Phase.COMPUTE)}
+
+
+def test_slow_optimizer_makes_peers_wait_next_step_but_only_it_is_blamed() -> None:
+    frames = ddp_frames(4, 200, slow=(2, Phase.OPT, 2.0, 40, 200))
+    events = run(StragglerDetector(4), frames)
+    assert {(e.rank, e.phase) for e in events} == {(2, Phase.OPT)}
+
+
+def test_a_rank_whose_own_comm_stands_out_is_a_comm_straggler() -> None:
+    frames = ddp_frames(4, 150)
+    for f in frames[60:]:
+        f.phases[2, 3] += 0.02  # this rank waits 20 ms longer; its peers do not
+    events = run(StragglerDetector(4), frames)
+    assert {(e.rank, e.phase) for e in events} == {(3, Phase.COMM)}
+    assert "network" in events[0].hint
+
+
+def test_warmup_steps_are_not_judged() -> None:
+    s = StragglerSettings(warmup_steps=20)
+    frames = ddp_frames(4, 120, warm=(2, 5.0, 20))
+    assert run(StragglerDetector(4, s), frames) == []
+    later = ddp_frames(4, 120, warm=(2, 5.0, 40))  # slow well past warm-up: judged
+    events = run(StragglerDetector(4, s), later)
+    assert [(e.rank, e.phase, e.state) for e in events][:1] == [
+        (2, Phase.COMPUTE, Verdict.SUSPECT)
+    ]
+
+
+def test_common_slowdown_of_all_ranks_is_no_straggler() -> None:
+    frames = ddp_frames(8, 200)
+    for f in frames[50:]:
+        f.phases[:] *= 2.0
+        f.step_s[:] *= 2.0
+    assert run(StragglerDetector(8), frames) == []
+
+
+def test_tiny_phases_are_not_blamed() -> None:
+    frames = ddp_frames(4, 120)
+    for f in frames:
+        f.phases[0] = 1e-5
+        f.phases[0, 1] = 5e-5  # 5x its peers, but 0.05 ms of a 100 ms step
+    assert run(StragglerDetector(4), frames) == []
+
+
+def test_single_rank_has_no_peers_and_no_verdicts() -> None:
+    assert run(StragglerDetector(1), ddp_frames(1, 80)) == []
+
+
+# -- feeding, settings, reset ------------------------------------------------------------------
+
+
+def test_records_in_any_order_and_batches_give_the_same_verdicts_as_frames() -> None:
+    frames = ddp_frames(3, 150, slow=(1, Phase.COMPUTE, 1.5, 40, 150))
+    expected = run(StragglerDetector(3), frames)
+    det = StragglerDetector(3)
+    got: list[Diagnosis] = []
+    records = [r for f in frames for r in records_of(f)]
+    # ranks flush separately: rank 2's records arrive 10 steps behind the others
+    by_rank = {r: [x for x in records if x.rank == r] for r in range(3)}
+    for start in range(0, 160, 10):
+        batch = by_rank[0][start:start + 10] + by_rank[1][start:start + 10]
+        batch += by_rank[2][max(0, start - 10):start]
+        got += det.observe(reversed(batch))
+    assert got == expected
+    assert det.dropped_records == 0
+
+
+def test_lost_records_drop_their_step_and_stale_records_are_counted() -> None:
+    frames = ddp_frames(2, 30)
+    det = StragglerDetector(2)
+    recs = [records_of(f) for f in frames]
+    det.observe(recs[0] + recs[1][:1] + recs[2])  # step 1 misses rank 1
+    assert det.last_step == 2
+    assert det.dropped_records == 1
+    det.observe(recs[1][1:])  # too late now
+    assert det.dropped_records == 2
+
+
+def test_record_of_unknown_rank_names_the_fix() -> None:
+    det = StragglerDetector(2)
+    rec = records_of(ddp_frames(3, 1)[0])[2]
+    with pytest.raises(ValueError, match=r"rank 2 .* world_size 2.*reset"):
+        det.observe([rec])
+
+
+def test_frames_out_of_order_are_refused() -> None:
+    frames = ddp_frames(2, 3)
+    det = StragglerDetector(2)
+    det.observe_frame(frames[1])
+    with pytest.raises(ValueError, match="increasing step order"):
+        det.observe_frame(frames[0])
+
+
+def test_thresholds_can_change_while_running() -> None:
+    frames = ddp_frames(4, 260, slow=(1, Phase.COMPUTE, 1.5, 30, 260))
+    det = StragglerDetector(4)
+    events = run(det, frames[:120])
+    assert [e.state for e in events] == [Verdict.SUSPECT, Verdict.CONFIRMED]
+    assert det.update_settings(ratio=2.0) == []  # takes effect from the next step
+    events = run(det, frames[120:140])
+    assert [(e.rank, e.state) for e in events] == [(1, Verdict.CLEARED)]
+    assert det.active() == []
+    det.update_settings(ratio=1.2, window=12, suspect_votes=9, clear_votes=3)
+    events = run(det, frames[140:200])
+    assert [(e.rank, e.state) for e in events] == [(1, Verdict.SUSPECT), (1, Verdict.CONFIRMED)]
+    assert events[0].window == 12
+    cleared = det.update_settings(phases=("data", "comm", "opt"))
+    assert [(e.rank, e.phase, e.state) for e in cleared] == [
+        (1, Phase.COMPUTE, Verdict.CLEARED)
+    ]
+    assert run(det, frames[200:]) == []
+
+
+def test_shrinking_the_window_keeps_the_most_recent_votes() -> None:
+    frames = ddp_frames(4, 100, slow=(0, Phase.COMPUTE, 2.0, 90, 100))
+    det = StragglerDetector(4)
+    run(det, frames[:96])  # steps 90..95 slow: 6 votes in a window of 8
+    assert [d.rank for d in det.active()] == [0]
+    det.update_settings(window=4, suspect_votes=3, clear_votes=1)
+    assert det.active()[0].slow_steps == 4
+
+
+def test_reset_clears_active_verdicts_and_restarts_warmup() -> None:
+    frames = ddp_frames(2, 100, slow=(1, Phase.COMPUTE, 2.0, 0, 100))
+    det = StragglerDetector(2)
+    run(det, frames[:60])
+    assert [d.rank for d in det.active()] == [1]
+    cleared = det.reset(3, start_step=60)
+    assert [(d.rank, d.state) for d in cleared] == [(1, Verdict.CLEARED)]
+    assert det.world_size == 3 and det.active() == []
+    new = ddp_frames(3, 100, slow=(0, Phase.COMPUTE, 2.0, 0, 100))
+    renumbered = [
+        StepFrame(step=f.step + 60, step_s=f.step_s, phases=f.phases) for f in new[:20]
+    ]
+    assert run(det, renumbered) == []  # warm-up again
+
+
+def test_settings_are_validated_with_the_values() -> None:
+    with pytest.raises(ValueError, match=r"ratio must be > 1, got 0.9"):
+        StragglerSettings(ratio=0.9)
+    with pytest.raises(ValueError, match=r"suspect_votes must be between 1 and window=8, got 9"):
+        StragglerSettings(suspect_votes=9)
+    with pytest.raises(ValueError, match=r"clear_votes .* below suspect_votes=6, got 6"):
+        StragglerSettings(clear_votes=6)
+    with pytest.raises(ValueError, match=r"phases must be"):
+        StragglerSettings(phases=("gpu",))  # type: ignore[arg-type]
+    assert StragglerSettings(phases=("compute",)).phases == (Phase.COMPUTE,)  # type: ignore[arg-type]
+    det = StragglerDetector(2)
+    with pytest.raises(ValueError, match="ratio must be > 1"):
+        det.update_settings(ratio=1.0)
+    assert det.settings.ratio == 1.2
+
+
+def test_step_record_validation_and_row_conversion() -> None:
+    with pytest.raises(ValueError, match=r"comm_s .* got -0.001 .* clamp"):
+        StepRecord(rank=0, step=1, step_s=0.1, data_s=0, compute_s=0.05, comm_s=-0.001, opt_s=0)
+    with pytest.raises(ValueError, match="rank >= 0"):
+        StepRecord(rank=-1, step=1, step_s=0.1, data_s=0, compute_s=0, comm_s=0, opt_s=0)
+    row = [7, 1.7e9, 0.1, 0.01, 0.06, 0.02, 0.01, {"loss": 1.0}]
+    rec = StepRecord.from_row(3, row)
+    assert (rec.rank, rec.step, rec.compute_s) == (3, 7, 0.06)
+    assert rec.phase_s(Phase.COMM) == 0.02
+    with pytest.raises(ValueError, match="columns"):
+        StepRecord.from_row(0, row[:4])
+
+
+def test_row_columns_match_the_runtime_event_stream() -> None:
+    events = pytest.importorskip("nbtrain.runtime.events")
+    assert tuple(events.STEP_COLUMNS) == ROW_COLUMNS
+
+
+def test_diagnosis_reads_well_and_serialises() -> None:
+    frames = ddp_frames(8, 100, slow=(6, Phase.DATA, 2.0, 30, 100))
+    events = run(StragglerDetector(8), frames)
+    d = events[0]
+    assert (d.rank, d.phase, d.state) == (6, Phase.DATA, Verdict.SUSPECT)
+    assert d.ratio == pytest.approx(2.0, rel=0.15)
+    assert d.excess_s == pytest.approx(0.015, rel=0.3)
+    assert 0.05 < d.step_share < 0.3
+    text = d.summary()
+    assert "rank 6 data suspect" in text and "I/O" in text
+    with_gpu = d.with_nvml({"sm_clock_mhz": 1100.0, "temperature_c": 88.0})
+    event = with_gpu.to_event()
+    assert json.loads(json.dumps(event))["nvml"] == {"sm_clock_mhz": 1100.0,
+                                                      "temperature_c": 88.0}
+    assert with_gpu == d  # readings are an attachment, not part of the verdict
+    assert set(HINTS) == set(PHASES)
+
+
+def test_detector_replays_64_ranks() -> None:
+    frames = ddp_frames(64, 150, slow=(40, Phase.COMPUTE, 1.5, 50, 150))
+    events = run(StragglerDetector(64), frames)
+    assert {(e.rank, e.phase) for e in events} == {(40, Phase.COMPUTE)}
