@@ -1,0 +1,284 @@
+"""The vocabulary of the gang scheduler: job requests, events in, decisions out (pure).
+
+Everything here is a frozen dataclass, so a decision log can be hashed, compared and replayed.
+Every event carries ``now`` (seconds, any epoch): the scheduler never reads a clock, which is
+what lets the simulator replay a day in seconds and tests drive time by hand.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+
+from nbtrain.core.placement import POLICIES, Layout, Placement
+
+__all__ = [
+    "Cancelled",
+    "Checkpointed",
+    "Decision",
+    "Event",
+    "Failed",
+    "Finished",
+    "JobRequest",
+    "PreemptJob",
+    "RejectJob",
+    "Released",
+    "ResizeJob",
+    "ResizeRequested",
+    "SchedulerConfig",
+    "StartJob",
+    "Submit",
+    "Tick",
+    "WorkersAdded",
+    "WorkersRemoved",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobRequest:
+    """What the scheduler needs to know about a job.
+
+    ``size`` ranks are wanted; an elastic job (``min_size`` set) may start or be resized to any
+    multiple of ``layout.replica`` in ``[min_size, size]``. ``est_duration_s`` (runtime at
+    ``size``, like a Slurm time limit) lets backfill prove a small job will not delay the
+    reserved head of the queue; without it the job is assumed to run forever for that purpose.
+    ``checkpoint_every_s`` lets preemption estimate the work a victim would lose.
+    """
+
+    job_id: str
+    size: int
+    layout: Layout = field(default_factory=Layout)
+    min_size: int | None = None
+    priority: int = 0
+    team: str = "default"
+    preemptible: bool = True
+    est_duration_s: float | None = None
+    checkpoint_every_s: float | None = None
+
+    def __post_init__(self) -> None:
+        r = self.layout.replica
+        if not isinstance(self.size, int) or self.size < 1 or self.size % r:
+            raise ValueError(
+                f"job {self.job_id!r}: size={self.size!r} must be a positive multiple of "
+                f"tp*cp*pp={r}"
+            )
+        if self.min_size is not None and (
+            self.min_size < 1 or self.min_size > self.size or self.min_size % r
+        ):
+            raise ValueError(
+                f"job {self.job_id!r}: min_size={self.min_size!r} must be a multiple of {r} "
+                f"between {r} and size={self.size}"
+            )
+        if self.est_duration_s is not None and not self.est_duration_s > 0:
+            raise ValueError(
+                f"job {self.job_id!r}: est_duration_s must be > 0 or None, got "
+                f"{self.est_duration_s!r}"
+            )
+        if self.checkpoint_every_s is not None and not self.checkpoint_every_s > 0:
+            raise ValueError(
+                f"job {self.job_id!r}: checkpoint_every_s must be > 0 or None, got "
+                f"{self.checkpoint_every_s!r}"
+            )
+
+    @property
+    def min_slots(self) -> int:
+        return self.size if self.min_size is None else self.min_size
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_size is not None and self.min_size < self.size
+
+
+# ---------------------------------------------------------------------------------- events
+@dataclass(frozen=True)
+class Submit:
+    """A job joins the queue."""
+
+    now: float
+    job: JobRequest
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A running job ended by itself (success, or stopped by its user); its slots are free."""
+
+    now: float
+    job_id: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A running job failed; ``requeue=True`` puts it back in the queue (restart from the last
+    checkpoint), otherwise it is gone."""
+
+    now: float
+    job_id: str
+    requeue: bool = False
+
+
+@dataclass(frozen=True)
+class Released:
+    """A job told to stop (``PreemptJob``) has checkpointed and let go of its slots; it queues
+    again with its original submit order."""
+
+    now: float
+    job_id: str
+
+
+@dataclass(frozen=True)
+class Checkpointed:
+    """A job committed a checkpoint: preempting it now loses almost nothing."""
+
+    now: float
+    job_id: str
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """The user withdrew a job, queued or running (the engine has stopped its ranks)."""
+
+    now: float
+    job_id: str
+
+
+@dataclass(frozen=True)
+class ResizeRequested:
+    """The user asks a job to run with ``size`` ranks (within its ``min_size`` floor)."""
+
+    now: float
+    job_id: str
+    size: int
+
+
+@dataclass(frozen=True)
+class WorkersAdded:
+    """Workers (slots) joined. Known slots come back online; slots on hosts the topology has
+    not seen extend it (``Topology.with_hosts``; only for topologies built from hosts)."""
+
+    now: float
+    hosts: Mapping[str, tuple[Hashable, ...]]
+
+
+@dataclass(frozen=True)
+class WorkersRemoved:
+    """Workers (slots) left. A job that held one loses its gang: an elastic job shrinks onto
+    the rest when it can, any other is stopped and queued again."""
+
+    now: float
+    slots: tuple[Hashable, ...]
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passed; lets waiting-time and fair-share order advance with no other event."""
+
+    now: float
+
+
+Event = (
+    Submit | Finished | Failed | Released | Checkpointed | Cancelled | ResizeRequested
+    | WorkersAdded | WorkersRemoved | Tick
+)
+
+
+# ---------------------------------------------------------------------------------- decisions
+@dataclass(frozen=True)
+class StartJob:
+    """Launch the whole gang: rank ``r`` on ``placement.slots[r]``."""
+
+    job_id: str
+    placement: Placement
+
+    @property
+    def size(self) -> int:
+        return self.placement.world_size
+
+
+@dataclass(frozen=True)
+class PreemptJob:
+    """Checkpoint at the next step boundary and release all slots within ``grace_s`` seconds
+    (after that the engine kills the ranks); then send ``Released``. ``for_job`` is the job the
+    slots are for (``None`` when a worker was lost)."""
+
+    job_id: str
+    grace_s: float
+    reason: str
+    for_job: str | None = None
+
+
+@dataclass(frozen=True)
+class ResizeJob:
+    """Restart the job's next generation on ``placement`` (grow or shrink); slots it no longer
+    holds may be given to other jobs by later decisions of the same batch, so the engine carries
+    decisions out in order."""
+
+    job_id: str
+    placement: Placement
+    old_size: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class RejectJob:
+    """A request that can never be met, with the values and the fix."""
+
+    job_id: str
+    reason: str
+
+
+Decision = StartJob | PreemptJob | ResizeJob | RejectJob
+
+
+# ---------------------------------------------------------------------------------- config
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Policy knobs. The defaults are nbtrain's policy; the baselines switch parts off.
+
+    order: ``"priority"`` (priority, then fair share, then submit order) or ``"fifo"``.
+    backfill: start later jobs that do not delay the reserved head of the queue.
+    preemption: let a higher-priority job stop whole lower-priority preemptible jobs.
+    fair_share: order teams of equal priority by decayed usage / weight.
+    team_weights: share weight per team (missing teams weigh 1).
+    fair_share_half_life_s: how fast past usage is forgotten; longer is fairer over long
+        horizons, shorter reacts faster to a team that just arrived.
+    max_wait_s: a job queued this long goes first among its priority, whatever its team's
+        usage, so fair share never starves it.
+    preempt_grace_s: time a victim gets to checkpoint and release; should exceed the time to
+        snapshot a checkpoint plus one step.
+    restart_cost_s: seconds of work a restart costs beyond the lost steps (rendezvous, load);
+        used to prefer fewer victims.
+    placement: ``"topology"`` (nbtrain), ``"first_fit"`` or ``"random"`` (baselines).
+    elastic_grow: grow elastic jobs into idle slots when nobody waits.
+    """
+
+    order: str = "priority"
+    backfill: bool = True
+    preemption: bool = True
+    fair_share: bool = True
+    team_weights: Mapping[str, float] = field(default_factory=dict)
+    fair_share_half_life_s: float = 24 * 3600.0
+    max_wait_s: float | None = 12 * 3600.0
+    preempt_grace_s: float = 120.0
+    restart_cost_s: float = 60.0
+    placement: str = "topology"
+    seed: int = 0
+    elastic_grow: bool = True
+
+    def __post_init__(self) -> None:
+        if self.order not in ("priority", "fifo"):
+            raise ValueError(f"order must be 'priority' or 'fifo', got {self.order!r}")
+        if self.placement not in POLICIES:
+            raise ValueError(f"placement must be one of {POLICIES}, got {self.placement!r}")
+        for team, w in self.team_weights.items():
+            if not (w > 0 and math.isfinite(w)):
+                raise ValueError(f"team_weights[{team!r}] must be a positive number, got {w!r}")
+        if not self.fair_share_half_life_s > 0:
+            raise ValueError(
+                f"fair_share_half_life_s must be > 0, got {self.fair_share_half_life_s!r}"
+            )
+        if self.preempt_grace_s < 0 or self.restart_cost_s < 0:
+            raise ValueError("preempt_grace_s and restart_cost_s must be >= 0")
+
+    def weight(self, team: str) -> float:
+        return float(self.team_weights.get(team, 1.0))
