@@ -95,9 +95,9 @@ class StragglerSettings:
     """Steps after each (re)start that are not judged."""
     min_excess_s: float = 1e-3
     """Absolute floor on the excess seconds per step, so microsecond phases are never blamed."""
-    min_step_share: float = 0.02
-    """The excess must also be this share of the median step time: a straggler that costs the
-    job less than 2% is not worth an alert."""
+    min_step_share: float = 0.01
+    """The excess must also be this share of the median step time (over the window): a
+    straggler that costs the job less than 1% is not worth an alert."""
     min_z: float = 2.0
     """With 3 or more ranks, the excess must be this many robust standard deviations
     (1.4826 x MAD across ranks): guards jobs whose ranks are noisy by nature, where ``ratio``
@@ -152,8 +152,9 @@ class Diagnosis:
 
     ``ratio`` and ``excess_s`` are medians over the vote window, so one spike does not
     distort them. ``step_share`` (excess over the median step time) is about how much the
-    whole job slows down because of this rank. ``nvml`` is attached by the engine on GPUs
-    (clocks, temperature, power); the detector never fills it.
+    whole job slows down because of this rank. For ``comm`` they describe the residual wait
+    (the wait not explained by later peers), not the raw one. ``nvml`` is attached by the
+    engine on GPUs (clocks, temperature, power); the detector never fills it.
     """
 
     rank: int
