@@ -203,7 +203,7 @@ def test_cooldown_deferral_is_told_once_per_episode_then_acted_on() -> None:
     v = [verdict(3, Verdict.CONFIRMED)]
     told = policy.decide(v, ctx(30.0, spares=spares[1:], placement=moved))
     assert [a.kind for a in told if "cooldown" in a.reason] == [ActionKind.ALERT]
-    assert "until t=100" in next(a.reason for a in told if "cooldown" in a.reason)
+    assert "waits 70 s more" in next(a.reason for a in told if "cooldown" in a.reason)
     again = policy.decide(v, ctx(60.0, spares=spares[1:], placement=moved))
     assert again == []
     later = policy.decide(v, ctx(100.0, spares=spares[1:], placement=moved))
@@ -225,6 +225,14 @@ def test_no_spare_outside_the_slow_host_falls_back_to_an_alert_with_the_fix() ->
     rep = [a for a in actions if a.kind is ActionKind.REPLACE]
     assert [(a.spare, a.exclude) for a in rep] == [(SlotInfo("w4", "hostA"), "w1")]
     assert same_host.excluded(0.0) == {"w1": 1800.0}
+
+
+def test_a_rank_without_a_known_slot_is_alerted_not_replaced() -> None:
+    policy = replace_policy()
+    actions = policy.decide([verdict(7, Verdict.CONFIRMED)],
+                            ctx(0.0, spares=[SlotInfo("x", "hostC")]))
+    assert [a.kind for a in actions] == [ActionKind.ALERT, ActionKind.ALERT]
+    assert "gave no slot" in actions[1].reason
 
 
 def test_small_stragglers_are_only_alerted() -> None:

@@ -285,16 +285,15 @@ class ReplacePolicy(AlertPolicy):
         if not confirmed:
             return actions
 
-        in_cooldown = (
-            self._last_replace is not None and ctx.now - self._last_replace < s.cooldown_s
-        )
+        last = self._last_replace
+        in_cooldown = last is not None and ctx.now - last < s.cooldown_s
         taken: set[str] = set()
         moved: set[int] = set()
         replaced: list[Action] = []
         for d in confirmed:
             key = (d.rank, d.phase)
             where = ctx.placement.get(d.rank)
-            if d.rank in moved or self._pending.get(d.rank) == where:
+            if d.rank in moved or (where is not None and self._pending.get(d.rank) == where):
                 continue  # being replaced: the restart has not happened yet
             if not _finite(d.step_share) >= s.min_step_share:
                 self._note(actions, d, ctx, "small", (
@@ -309,14 +308,12 @@ class ReplacePolicy(AlertPolicy):
                     "cannot replace, alerting only"
                 ))
                 continue
-            if in_cooldown:
-                assert self._last_replace is not None
-                ready_at = self._last_replace + s.cooldown_s
+            if in_cooldown and last is not None:
                 self._note(actions, d, ctx, "cooldown", (
                     f"rank {d.rank} on {where.host} ({d.phase.value}) is confirmed slow; the "
-                    f"last straggler restart was {ctx.now - self._last_replace:.0f} s ago, so "
-                    f"replacing waits for the cooldown (cooldown_s={s.cooldown_s:.0f}) until "
-                    f"t={ready_at:.0f}"
+                    f"last straggler restart was {ctx.now - last:.0f} s ago, so replacing "
+                    f"waits {last + s.cooldown_s - ctx.now:.0f} s more for the cooldown "
+                    f"(cooldown_s={s.cooldown_s:.0f})"
                 ))
                 continue
             spare = self._pick_spare(where, ctx, taken)
