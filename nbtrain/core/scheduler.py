@@ -133,6 +133,7 @@ class Scheduler:
         self._rng = np.random.default_rng(self.config.seed)
         self._cap_cache: dict[tuple[int, int], int] = {}
         self._avail: SlotState | None = None  # the backfill view during a pass
+        self._shrunk = False
         self.preemption_log: list[tuple[str, str]] = []  # (preemptor, victim)
 
     # ================================================================== public
@@ -276,6 +277,7 @@ class Scheduler:
                                             f"multiple of tp*cp*pp={r}"))
             return
         new_min = None if j.req.min_size is None else min(j.req.min_size, ev.size)
+        old_req = j.req
         j.req = dataclasses.replace(j.req, size=ev.size, min_size=new_min)
         if j.state != "running" or j.size == ev.size:
             return
@@ -289,6 +291,7 @@ class Scheduler:
             idx = place_indices(trial, ev.size, j.req.layout, policy=self.config.placement,
                                 rng=self._rng)
         if idx is None:
+            j.req = old_req
             out.append(RejectJob(ev.job_id, f"cannot resize {ev.job_id!r} to {ev.size} ranks "
                                             f"now ({self._state.n_free} slots free); it keeps "
                                             f"{j.size}"))
@@ -483,6 +486,7 @@ class Scheduler:
         return self.now + est * j.req.size / max(size, 1) <= deadline
 
     def _schedule(self, out: list[Decision]) -> None:
+        self._shrunk = False  # set when a shrink let a job start: no regrowth in the same pass
         if self._n_queued == 0:
             self._grow_elastic(out)
             return
@@ -531,7 +535,7 @@ class Scheduler:
             self._avail = avail
         self._avail = None
         self._cap_cache.clear()
-        if head is None:
+        if head is None and not self._shrunk:
             self._grow_elastic(out)
 
     def _head_blocked(self, head: _Job, out: list[Decision]) -> tuple[IntArray | None, float]:
@@ -597,8 +601,8 @@ class Scheduler:
         return (_EMPTY if idx is None else idx), shadow
 
     def _shrink_elastic_for(self, head: _Job, out: list[Decision]) -> bool:
-        """Shrink elastic jobs (priority <= head's) toward their minimum if that lets the head
-        start now; all or nothing. Returns whether the head started."""
+        """Shrink elastic jobs (priority <= head's) no further than needed, never below their
+        minimum, if that lets the head start now; all or nothing. Returns whether it started."""
         cands = sorted(
             (j for j in self._active.values()
              if j.state == "running" and j.req.elastic and j.size > j.req.min_slots
@@ -611,24 +615,50 @@ class Scheduler:
         trial = self._state.copy()
         plan: list[tuple[_Job, IntArray]] = []
         for j in cands:
-            own = np.zeros(self.topo.n_slots, dtype=np.int64)
-            own[j.idx] = FREE
-            small = place_indices(SlotState(self.topo, own), j.req.min_slots, j.req.layout,
-                                  policy=self.config.placement, rng=self._rng)
+            r = j.req.layout.replica
+            # Largest size of j (multiple of r, >= min) at which the head fits: binary search.
+            lo, hi = j.req.min_slots // r, j.size // r - 1
+            best: tuple[IntArray, IntArray] | None = None  # (j's slots, head's slots)
+            while lo <= hi:
+                mid = (lo + hi) // 2
+                got = self._shrunk_fit(trial, j, mid * r, head)
+                if got is None:
+                    hi = mid - 1
+                else:
+                    best, lo = got, mid + 1
+            if best is not None:
+                plan.append((j, best[0]))
+                for jj, small_idx in plan:
+                    out.append(self._move(jj, small_idx, f"shrunk for {head.req.job_id!r}"))
+                out.append(self._start(head, best[1], None))
+                self._shrunk = True
+                return True
+            small = self._own_fit(j, j.req.min_slots)
             if small is None:
                 continue
             trial.release(j.idx)
             trial.take(small, j.num)
             plan.append((j, small))
-            self._cap_cache.clear()
-            idx = self._fit(trial, head)
-            if idx is not None:
-                for jj, small_idx in plan:
-                    out.append(self._move(jj, small_idx, f"shrunk for {head.req.job_id!r}"))
-                out.append(self._start(head, idx, None))
-                return True
-        self._cap_cache.clear()
         return False
+
+    def _own_fit(self, j: _Job, size: int) -> IntArray | None:
+        """Placement of ``j`` at ``size`` inside the slots it holds now."""
+        own = np.zeros(self.topo.n_slots, dtype=np.int64)
+        own[j.idx] = FREE
+        return place_indices(SlotState(self.topo, own), size, j.req.layout,
+                             policy=self.config.placement, rng=self._rng)
+
+    def _shrunk_fit(
+        self, trial: SlotState, j: _Job, size: int, head: _Job
+    ) -> tuple[IntArray, IntArray] | None:
+        small = self._own_fit(j, size)
+        if small is None:
+            return None
+        t2 = trial.copy()
+        t2.release(j.idx)
+        t2.take(small, j.num)
+        idx = self._fit(t2, head)
+        return None if idx is None else (small, idx)
 
     def _grow_elastic(self, out: list[Decision]) -> None:
         if not self.config.elastic_grow or self._state.n_free == 0:
