@@ -26,6 +26,9 @@ class Settings:
     collective_timeout_s: float = 120.0
     #: How often rank 0 polls the job's control variable (stop/checkpoint/preempt requests).
     control_poll_s: float = 0.1
+    #: About how often (in training time) the ranks agree on control requests. A stop takes
+    #: effect within ``control_poll_s + control_interval_s`` plus one step.
+    control_interval_s: float = 0.2
     #: Step records are batched and sent at most this often per rank.
     event_flush_s: float = 0.25
     #: ... or when this many records are buffered.

@@ -1,9 +1,13 @@
 """Notebook -> ranks control plane.
 
 The controller writes requests into one Dask ``Variable`` per job. Rank 0 polls it from a
-background thread (so the step loop never waits on the scheduler); at every step boundary all
-ranks agree on the requests with one tiny all-reduce (MAX), so every rank acts on the same
-step and no rank is left alone in a collective.
+background thread (so the step loop never waits on the scheduler). Ranks agree on the requests
+with one tiny all-reduce (MAX) at agreed step boundaries, so every rank acts on the same step
+and no rank is left alone in a collective.
+
+The all-reduce costs ~0.1-2 ms on CPU gloo, a lot for a 5 ms step, so ranks do not agree every
+step: each agreement also fixes the step of the next one, about ``interval_s`` of training
+later (the minimum of every rank's proposal, so all ranks hold the same schedule).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from distributed import Client, Variable
 
 #: Requests, in vector order. ``checkpoint`` is a sequence number: a new number = a new request.
 FLAGS = ("stop", "preempt", "checkpoint")
+#: Upper bound on steps between agreements, whatever the step time.
+MAX_INTERVAL_STEPS = 64
 
 
 def control_name(job_id: str) -> str:
@@ -33,7 +39,8 @@ class ControlChannel:
     def __init__(self, job_id: str, rank: int, client: Client, poll_s: float,
                  device: torch.device) -> None:
         self._requested = torch.zeros(len(FLAGS), dtype=torch.int64)
-        self._agreed = torch.zeros(len(FLAGS), dtype=torch.int64, device=device)
+        # Flags, then the negated interval proposal (MAX of negatives = MIN of proposals).
+        self._agreed = torch.zeros(len(FLAGS) + 1, dtype=torch.int64, device=device)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -55,13 +62,18 @@ class ControlChannel:
                     for i, flag in enumerate(FLAGS):
                         self._requested[i] = int(value.get(flag, 0))
 
-    def agree(self) -> dict[str, int]:
-        """Collective: the requests every rank acts on at this step boundary."""
+    def agree(self, proposed_interval: int) -> tuple[dict[str, int], int]:
+        """Collective: the requests every rank acts on now, and steps until the next agreement.
+
+        ``proposed_interval`` is this rank's wish (from its own step time); the agreed
+        interval is the smallest wish, clamped to 1..MAX_INTERVAL_STEPS.
+        """
         with self._lock:
-            self._agreed.copy_(self._requested)
+            self._agreed[: len(FLAGS)].copy_(self._requested)
+        self._agreed[len(FLAGS)] = -max(1, min(MAX_INTERVAL_STEPS, proposed_interval))
         dist.all_reduce(self._agreed, op=dist.ReduceOp.MAX)
-        values = self._agreed.tolist()
-        return dict(zip(FLAGS, (int(v) for v in values), strict=True))
+        values = [int(v) for v in self._agreed.tolist()]
+        return dict(zip(FLAGS, values[: len(FLAGS)], strict=True)), -values[len(FLAGS)]
 
     def close(self) -> None:
         self._stop.set()

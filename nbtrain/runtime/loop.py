@@ -108,6 +108,9 @@ def _step_loop(launch: RankLaunch, recipe: Recipe, ctx: RankContext, control: Co
                emitter: EventEmitter) -> str:
     perf = time.perf_counter
     timer = ctx.timer
+    interval_s = launch.settings.control_interval_s
+    next_agreement = ctx.step + 1
+    ema_step_s = 0.0
     while ctx.step < launch.steps:
         t0 = perf()
         timer.reset()
@@ -116,16 +119,22 @@ def _step_loop(launch: RankLaunch, recipe: Recipe, ctx: RankContext, control: Co
         metrics = recipe.step(ctx, batch) or {}
         t2 = perf()
         ctx.step += 1
-        requests = control.agree()
+        requests = None
+        if ctx.step >= next_agreement:
+            proposal = int(interval_s / ema_step_s) if ema_step_s > 0 else 1
+            requests, interval = control.agree(proposal)
+            next_agreement = ctx.step + interval
         t3 = perf()
+        step_s = t3 - t0
+        ema_step_s = step_s if ema_step_s == 0 else 0.9 * ema_step_s + 0.1 * step_s
         comm = timer.comm_s
         opt = timer.opt_s
         compute = max(0.0, (t2 - t1) - comm - opt)
-        row: list[Any] = [ctx.step, time.time(), t3 - t0, t1 - t0, compute, comm, opt]
+        row: list[Any] = [ctx.step, time.time(), step_s, t1 - t0, compute, comm, opt]
         if metrics:
             row.append({k: float(v) for k, v in metrics.items()})
         emitter.step(row)
-        if requests["stop"] or requests["preempt"]:
+        if requests is not None and (requests["stop"] or requests["preempt"]):
             return "preempted" if requests["preempt"] else "stopped"
     return "completed"
 

@@ -1,0 +1,76 @@
+"""Ready-made recipes for the demo, the notebooks and the benchmarks.
+
+``DigitsMLP`` trains a small MLP on scikit-learn's bundled handwritten digits (1,797 8x8
+images shipped inside the scikit-learn package: no download).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+from nbtrain.runtime.context import RankContext
+from nbtrain.runtime.recipe import Recipe
+
+
+def digits(split: str = "train", test_fraction: float = 0.2) -> TensorDataset:
+    """The digits data as float tensors, split deterministically into train and test."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target, dtype=torch.int64)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    n_test = int(len(y) * test_fraction)
+    idx = order[:n_test] if split == "test" else order[n_test:]
+    return TensorDataset(x[idx], y[idx])
+
+
+class DigitsMLP(Recipe):
+    """An MLP classifier on the digits; rank 0 reports held-out accuracy every few steps."""
+
+    def __init__(self, hidden: int = 256, layers: int = 2, batch_size: int = 128,
+                 lr: float = 2e-3, eval_every: int = 25) -> None:
+        self.hidden = hidden
+        self.layers = layers
+        self.batch_size = batch_size
+        self.lr = lr
+        self.eval_every = eval_every
+
+    def build_model(self) -> torch.nn.Module:
+        torch.manual_seed(0)
+        mods: list[torch.nn.Module] = []
+        width = 64
+        for _ in range(self.layers):
+            mods += [torch.nn.Linear(width, self.hidden), torch.nn.ReLU()]
+            width = self.hidden
+        mods.append(torch.nn.Linear(width, 10))
+        return torch.nn.Sequential(*mods)
+
+    def setup(self, ctx: RankContext) -> dict[str, Any]:
+        self.model = ctx.prepare(self.build_model())
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.lr)
+        ctx.loader(digits("train"), global_batch_size=self.batch_size)
+        self.test = digits("test")
+        return {"model": self.model, "optimizer": self.opt}
+
+    def step(self, ctx: RankContext, batch: Any) -> dict[str, float]:
+        x, y = batch
+        loss = F.cross_entropy(self.model(x), y)
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        metrics = {"loss": loss.item()}
+        if ctx.is_main and self.eval_every and (ctx.step + 1) % self.eval_every == 0:
+            metrics["val_acc"] = self.accuracy(ctx)
+        return metrics
+
+    @torch.no_grad()
+    def accuracy(self, ctx: RankContext) -> float:
+        x, y = self.test.tensors
+        module = getattr(self.model, "module", self.model)
+        pred = module(x.to(ctx.device)).argmax(dim=1).cpu()
+        return float((pred == y).float().mean())

@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import cloudpickle
+import pytest
+
+import nbtrain
+from tests import recipes
+
+# Test recipes travel by value: worker processes cannot import the tests package.
+cloudpickle.register_pickle_by_value(recipes)
+
+
+def wait_for(cond: Callable[[], object], timeout: float = 60.0, what: str = "condition") -> None:
+    """Poll ``cond`` until true; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[nbtrain.Cluster]:
+    """A real embedded LocalCluster with two worker processes, shared by the session."""
+    with nbtrain.connect(n_workers=2) as c:
+        yield c
+
+
+@pytest.fixture
+def free_cluster(cluster: nbtrain.Cluster) -> nbtrain.Cluster:
+    """The shared cluster, checked to have every slot free before and after the test."""
+    wait_for(lambda: len(cluster.free_slots) == len(cluster.slots) == 2, 60, "free slots")
+    yield cluster
+    wait_for(lambda: len(cluster.free_slots) == len(cluster.slots) == 2, 60,
+             "slots freed after the test")

@@ -1,0 +1,69 @@
+"""Recipes used by the integration tests (pickled by value to the workers, see conftest)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+import nbtrain
+
+
+def regression_data(n: int = 256, d: int = 8, seed: int = 1) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64)
+    w = torch.randn(d, 1, generator=g, dtype=torch.float64)
+    y = x @ w + 0.1 * torch.randn(n, 1, generator=g, dtype=torch.float64)
+    return TensorDataset(x, y)
+
+
+def make_model(d: int = 8) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(d, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 1)).double()
+
+
+class Regression(nbtrain.Recipe):
+    """Float64 MLP regression; optional faults and a place to drop final parameters."""
+
+    def __init__(self, out_dir: str | None = None, batch: int = 32, raise_at: int | None = None,
+                 raise_rank: int = 1, step_sleep: float = 0.0, wait_file: str | None = None,
+                 lr: float = 0.05) -> None:
+        self.out_dir = out_dir
+        self.batch = batch
+        self.raise_at = raise_at
+        self.raise_rank = raise_rank
+        self.step_sleep = step_sleep
+        self.wait_file = wait_file
+        self.lr = lr
+
+    def setup(self, ctx: nbtrain.RankContext) -> dict[str, Any]:
+        if self.wait_file is not None:
+            while not os.path.exists(self.wait_file):
+                time.sleep(0.01)
+        self.model = ctx.prepare(make_model())
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=self.lr, momentum=0.9)
+        ctx.loader(regression_data(), global_batch_size=self.batch)
+        return {"model": self.model, "optimizer": self.opt}
+
+    def step(self, ctx: nbtrain.RankContext, batch: Any) -> dict[str, float]:
+        if self.raise_at is not None and ctx.rank == self.raise_rank and ctx.step == self.raise_at:
+            raise ValueError(f"injected failure at step {ctx.step}")
+        if self.step_sleep:
+            time.sleep(self.step_sleep)
+        x, y = batch
+        loss = F.mse_loss(self.model(x), y)
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        return {"loss": loss.item()}
+
+    def teardown(self, ctx: nbtrain.RankContext) -> None:
+        if self.out_dir is not None:
+            module = self.model.module if hasattr(self.model, "module") else self.model
+            torch.save(module.state_dict(), Path(self.out_dir) / f"rank{ctx.rank}.pt")

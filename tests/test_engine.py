@@ -1,0 +1,147 @@
+"""Runtime foundation on a real LocalCluster with real gloo ranks."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nbtrain
+from nbtrain import JobState
+from nbtrain.runtime.loader import ShardedLoader
+from tests.conftest import wait_for
+from tests.recipes import Regression, make_model, regression_data
+
+
+def _single_process_params(steps: int, batch: int, lr: float) -> dict[str, torch.Tensor]:
+    """The same training on one process over the same global batches."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    loader = ShardedLoader(regression_data(), global_batch_size=batch, rank=0, world_size=1)
+    for _ in range(steps):
+        x, y = loader.next_batch()
+        loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.state_dict()
+
+
+def test_ddp_world_size_2_matches_single_process(free_cluster: nbtrain.Cluster,
+                                                 tmp_path: Path) -> None:
+    steps = 30  # > one epoch (256 samples / 32 per step = 8 steps): crosses epoch boundaries
+    job = free_cluster.submit(Regression(out_dir=str(tmp_path)), world_size=2, steps=steps)
+    assert job.wait(120) is JobState.SUCCEEDED, job.error
+    expected = _single_process_params(steps, batch=32, lr=0.05)
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for name, value in expected.items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6)
+    m = job.metrics
+    assert sorted(m["rank"].unique()) == [0, 1]
+    assert m.groupby("rank")["step"].max().tolist() == [steps, steps]
+    assert {"data_s", "compute_s", "comm_s", "opt_s", "loss"} <= set(m.columns)
+    assert (m["opt_s"] > 0).all() and (m["compute_s"] > 0).all()
+    assert job.reason == f"completed {steps} steps"
+
+
+def test_submit_returns_before_ranks_start(free_cluster: nbtrain.Cluster,
+                                           tmp_path: Path) -> None:
+    # The ranks' setup blocks until a file exists, and only this test creates it after
+    # submit() has returned: if submit waited for the ranks, this test would hang.
+    gate = tmp_path / "go"
+    job = free_cluster.submit(Regression(wait_file=str(gate)), world_size=2, steps=5)
+    assert job.status in (JobState.QUEUED, JobState.STARTING)
+    assert job.step == 0 and job.metrics.empty
+    gate.touch()
+    assert job.wait(120) is JobState.SUCCEEDED, job.error
+
+
+def test_exception_on_one_rank_fails_job_and_frees_slots(free_cluster: nbtrain.Cluster) -> None:
+    job = free_cluster.submit(Regression(raise_at=7, raise_rank=1), world_size=2, steps=10_000)
+    assert job.wait(60) is JobState.FAILED
+    assert "rank 1" in job.reason and "step 7" in job.reason
+    assert job.error is not None
+    assert "injected failure at step 7" in job.error
+    assert "Traceback" in job.error and "in step" in job.error
+    kinds = [e["kind"] for e in job.events]
+    assert "rank_failed" in kinds
+    # The other rank did not sit in a collective: the generation ended, slots are free now.
+    wait_for(lambda: len(free_cluster.free_slots) == 2, 30, "slots released")
+    follow_up = free_cluster.submit(Regression(), world_size=2, steps=5)
+    assert follow_up.wait(120) is JobState.SUCCEEDED, follow_up.error
+
+
+def test_stop_mid_run_ends_at_step_boundary(free_cluster: nbtrain.Cluster) -> None:
+    job = free_cluster.submit(Regression(step_sleep=0.005), world_size=2, steps=1_000_000)
+    wait_for(lambda: job.step >= 5, 120, "training progress")
+    assert job.status is JobState.RUNNING
+    job.stop()
+    assert job.wait(60) is JobState.CANCELLED
+    assert job.reason.startswith("stopped by user at step")
+    final = int(job.reason.rsplit(" ", 1)[1])
+    m = job.metrics
+    # Both ranks stopped after the same step: a step boundary, not mid-collective.
+    assert m.groupby("rank")["step"].max().tolist() == [final, final]
+    assert 5 <= final < 1_000_000
+
+
+def test_stop_while_queued_cancels(free_cluster: nbtrain.Cluster) -> None:
+    blocker = free_cluster.submit(Regression(step_sleep=0.005), world_size=2, steps=1_000_000)
+    waiting = free_cluster.submit(Regression(), world_size=2, steps=5)
+    wait_for(lambda: blocker.status is JobState.RUNNING, 120, "blocker running")
+    assert waiting.status is JobState.QUEUED
+    assert "needs 2 slots at once; 0 of 2 free" in waiting.reason
+    waiting.stop()
+    assert waiting.wait(10) is JobState.CANCELLED
+    blocker.stop()
+    assert blocker.wait(60) is JobState.CANCELLED
+
+
+def test_invalid_sizes_raise_with_values(free_cluster: nbtrain.Cluster) -> None:
+    with pytest.raises(ValueError, match="world_size must be a positive integer, got 0"):
+        free_cluster.submit(Regression(), world_size=0, steps=5)
+    with pytest.raises(ValueError, match="steps must be a positive integer, got -3"):
+        free_cluster.submit(Regression(), world_size=1, steps=-3)
+    with pytest.raises(TypeError, match="must be an nbtrain.Recipe"):
+        free_cluster.submit(object(), world_size=1, steps=1)  # type: ignore[arg-type]
+
+
+def test_unpicklable_recipe_fails_before_launch(free_cluster: nbtrain.Cluster) -> None:
+    recipe = Regression()
+    recipe.lock = threading.Lock()  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match="cannot be pickled.*lock"):
+        free_cluster.submit(recipe, world_size=2, steps=5)
+    assert all(j.status.terminal for j in free_cluster.jobs)
+
+
+def test_cluster_repr_lists_slots_and_jobs(free_cluster: nbtrain.Cluster) -> None:
+    text = free_cluster._repr_html_()
+    assert text.count("<tr><td>tcp://") == 2
+    assert "nbtrain cluster" in text
+
+
+def test_gang_never_starts_partially_and_fail_fast() -> None:
+    with nbtrain.connect(n_workers=3) as c:
+        with pytest.raises(ValueError, match="needs 4 slots at once but only 3 of the "
+                                             "cluster's 3 are free"):
+            c.submit(Regression(), world_size=4, steps=5, queue=False)
+        job = c.submit(Regression(), world_size=4, steps=5)
+        assert job.status is JobState.QUEUED
+        assert "the cluster has 3" in job.reason
+
+        def rank_tasks(dask_scheduler) -> list[str]:  # type: ignore[no-untyped-def]
+            return [str(k) for k in dask_scheduler.tasks if str(k).startswith("nbtrain-")]
+
+        # Let the controller run several admission rounds: still nothing may start.
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            assert c.client.run_on_scheduler(rank_tasks) == []
+            assert job.status is JobState.QUEUED
+        c.scale(4)
+        assert job.wait(180) is JobState.SUCCEEDED, job.error
+        assert sorted(job.metrics["rank"].unique()) == [0, 1, 2, 3]
