@@ -72,6 +72,12 @@ class Cluster:
                                "deployment tools")
         self._local.scale(n)
 
+    def dashboard(self) -> Any:
+        """Slots grouped by host, coloured by job and state, and the job queue (live)."""
+        from nbtrain.ui.cluster_view import cluster_dashboard
+
+        return cluster_dashboard(self)
+
     # -- jobs -----------------------------------------------------------------------------
     def submit(self, recipe: Recipe, *, world_size: int, steps: int, name: str | None = None,
                queue: bool = True, seed: int = 0, priority: int = 0,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -139,8 +140,26 @@ class JobHandle:
         """Wait, then raise :class:`JobFailedError` unless the job succeeded."""
         state = self.wait(timeout)
         if state is not JobState.SUCCEEDED:
-            raise JobFailedError(f"job {self.name} {state.value}: {self.reason}\n{self.error or ''}")
+            detail = f"\n{self.error}" if self.error else ""
+            raise JobFailedError(f"job {self.name} {state.value}: {self.reason}{detail}")
         return self
+
+    # -- views ----------------------------------------------------------------------------
+    def dashboard(self, display: str | None = None) -> Any:
+        """A live dashboard: a widget in JupyterLab, or text progress when headless.
+
+        ``display`` is "auto" (default; env NBTRAIN_DISPLAY overrides), "widget" or "text".
+        Returns at once; the view updates on the kernel's event loop.
+        """
+        from nbtrain.ui.dashboard import job_dashboard
+
+        return job_dashboard(self, display=display)
+
+    def report(self, path: str) -> str:
+        """Write a standalone HTML report (plots and summary) to ``path``; returns the path."""
+        from nbtrain.ui.report import write_report
+
+        return write_report(self, path)
 
     # -- controller side (called on the controller thread) --------------------------------
     def _set_state(self, state: JobState, reason: str) -> None:
@@ -161,10 +180,8 @@ class JobHandle:
             self._events.append(event)
             listeners = list(self._listeners)
         for listener in listeners:
-            try:
+            with contextlib.suppress(Exception):  # a broken view must not break the controller
                 listener(event)
-            except Exception:  # a broken view must not break the controller
-                pass
 
     def _add_rows(self, generation: int, rank: int, rows: list[list[Any]]) -> None:
         with self._lock:
