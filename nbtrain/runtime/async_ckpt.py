@@ -1,0 +1,313 @@
+"""Asynchronous checkpoints of one rank: snapshot at the step boundary, persist in background.
+
+``save(step, state, meta)`` does the only blocking part, a copy of the state into reused host
+buffers (``HostSnapshotter``), and hands the copy to a writer that persists the shard,
+and on the committing rank waits for all shards and writes the manifest (``CheckpointStore``).
+At most one checkpoint is in flight per rank: the next ``save`` first waits for the previous
+persist, so host memory stays at one copy of the state; that wait is timed separately.
+
+Writer: a thread, chosen by measurement. Persisting a shard is ``torch.save`` into a hashing
+file wrapper (large ``write`` calls: file writes and sha256 release the GIL) plus fsync and
+rename, so the writer holds the GIL only in short bursts. ``benchmarks/checkpoint.py --quick``
+measures training step time while a persist runs in this thread writer and, as the no-GIL
+reference, while the same persist runs in a separate forked process. MEASURED: TBD. A thread
+state and works inside daemonic Dask worker processes, which may not start children.
+
+Events go to ``on_event(kind, info)``, called from the training thread (``snapshot``,
+``skipped``) and from the writer thread (``persisted``, ``committed``, ``failed``): make the
+callback thread-safe. A failed write (full disk, lost mount) is reported as ``failed`` with the
+error, the training loop continues, and the next ``save`` tries again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbtrain.runtime.snapshot import HostSnapshotter
+from nbtrain.runtime.storage import DEFAULT_COMMIT_TIMEOUT_S, CheckpointError, CheckpointStore
+
+__all__ = ["AsyncCheckpointer", "EventCallback", "SaveResult"]
+
+EventCallback = Callable[[str, dict[str, Any]], None]
+DEFAULT_WRITER_NICE = int(os.environ.get("NBTRAIN_CKPT_WRITER_NICE", "10"))
+
+
+@dataclass
+class SaveResult:
+    """What became of one ``save``. ``error`` is None when it persisted (and committed)."""
+
+    step: int
+    bytes: int
+    blocking_s: float  # host snapshot (the training loop's copy)
+    wait_s: float  # waiting for the previous checkpoint before the snapshot
+    persist_s: float | None = None
+    commit_s: float | None = None
+    committed: bool = False
+    error: str | None = None
+    phase: str | None = None  # where it failed: persist / commit
+    pruned: list[int] = field(default_factory=list)
+
+    @property
+    def stall_s(self) -> float:
+        """Time the training loop lost to this checkpoint: feed this to the policy as C."""
+        return self.blocking_s + self.wait_s
+
+
+_STOP = object()
+
+
+class AsyncCheckpointer:
+    """One per rank. Not thread-safe itself: call ``save``/``wait``/``close`` from one thread.
+
+    store: where shards go (all ranks of a job use the same URL).
+    committer: whether this rank writes the manifest (default: rank 0).
+    attempt: an id shared by all ranks of one generation; the committer only accepts shards
+        of its own attempt. Use the job generation.
+    job: JSON job spec written into every manifest.
+    commit_timeout_s: how long the committer waits for the other ranks' shards; longer than
+        the slowest rank's persist of one shard.
+    prune: the committer deletes checkpoints beyond the store's ``keep`` and incomplete older
+        ones after each commit.
+    writer_nice: niceness of the writer thread (Linux only; 0 leaves it alone). A nice writer
+        takes CPU that training leaves idle, so on a busy machine persist is what slows down,
+        not the training step; raise ``commit_timeout_s`` if many ranks share few cores.
+    """
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        *,
+        rank: int,
+        world_size: int,
+        committer: bool | None = None,
+        attempt: str = "",
+        job: Mapping[str, Any] | None = None,
+        on_event: EventCallback | None = None,
+        commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S,
+        prune: bool = True,
+        snapshotter: HostSnapshotter | None = None,
+        writer_nice: int = DEFAULT_WRITER_NICE,
+    ) -> None:
+        if not (isinstance(world_size, int) and world_size >= 1):
+            raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        if not (isinstance(rank, int) and 0 <= rank < world_size):
+            raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank!r}")
+        if commit_timeout_s <= 0:
+            raise ValueError(f"commit_timeout_s must be > 0, got {commit_timeout_s!r}")
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.committer = rank == 0 if committer is None else committer
+        self.attempt = str(attempt)
+        self.job = dict(job or {})
+        self.on_event = on_event
+        self.commit_timeout_s = commit_timeout_s
+        self.prune = prune
+        self.snapshotter = snapshotter or HostSnapshotter()
+        self.writer_nice = writer_nice
+        self.results: list[SaveResult] = []  # every save, oldest first (small records)
+        self._pending: Future[SaveResult] | None = None
+        self._closed = False
+        self._cancel = threading.Event()
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._run, name=f"nbtrain-ckpt-writer-rank{rank}", daemon=True
+        )
+        self._thread.start()
+
+    # -- training-thread API ------------------------------------------------------------------
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None and not self._pending.done()
+
+    @property
+    def failures(self) -> list[SaveResult]:
+        return [r for r in self.results if r.error is not None]
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        meta: Mapping[str, Any] | None = None,
+        *,
+        manifest_metadata: Mapping[str, Any] | None = None,
+    ) -> SaveResult:
+        """Snapshot now, persist in the background. Returns at once with the blocking times.
+
+        state: what ``Recipe.setup`` returned (objects with ``state_dict()``, tensors, ...).
+        meta: per-rank extras stored in the shard next to the state: RNG states, data
+            position, epoch. Tensors and plain values, as for ``state``.
+        manifest_metadata: JSON values for the manifest (read by the committer only), shown
+            in checkpoint listings without opening shards.
+        """
+        if self._closed:
+            raise RuntimeError("save() after close(): create a new AsyncCheckpointer")
+        t0 = time.perf_counter()
+        self._drain()
+        t1 = time.perf_counter()
+        snap = self.snapshotter.snapshot({"state": state, "meta": dict(meta or {})})
+        t2 = time.perf_counter()
+        result = SaveResult(step=step, bytes=snap.nbytes, blocking_s=t2 - t1, wait_s=t1 - t0)
+        self.results.append(result)
+        self._emit(
+            "snapshot",
+            {
+                "step": step,
+                "bytes": snap.nbytes,
+                "blocking_ms": result.blocking_s * 1e3,
+                "wait_ms": result.wait_s * 1e3,
+                "allocated_bytes": snap.allocated_bytes,
+            },
+        )
+        fut: Future[SaveResult] = Future()
+        self._pending = fut
+        self._queue.put((fut, result, snap.state, dict(manifest_metadata or {})))
+        return result
+
+    def wait(self, timeout: float | None = None) -> SaveResult | None:
+        """Block until the checkpoint in flight is persisted (and committed); its result.
+
+        Raises ``TimeoutError`` if it takes longer than ``timeout`` seconds.
+        """
+        fut = self._pending
+        if fut is None:
+            return None
+        return fut.result(timeout=timeout)
+
+    def close(self, timeout: float | None = None, *, cancel: bool = False) -> SaveResult | None:
+        """Drain (or, with ``cancel``, abandon a commit that waits for other ranks) and stop."""
+        if cancel:
+            self._cancel.set()
+        result = None
+        if not self._closed:
+            self._closed = True
+            try:
+                result = self.wait(timeout)
+            finally:
+                self._queue.put(_STOP)
+                self._thread.join(timeout)
+        return result
+
+    def __enter__(self) -> AsyncCheckpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _drain(self) -> None:
+        # The snapshot buffers are reused, so the previous persist must finish before the next
+        # snapshot overwrites them. Its failure was already reported; training goes on.
+        fut = self._pending
+        if fut is not None:
+            fut.result()
+
+    def _emit(self, kind: str, info: dict[str, Any]) -> None:
+        if self.on_event is None:
+            return
+        info = {"rank": self.rank, **info}
+        with contextlib.suppress(Exception):  # a broken callback must not break the writer
+            self.on_event(kind, info)
+
+    # -- writer thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        if self.writer_nice and sys.platform.startswith("linux"):
+            # On Linux a thread has its own nice value; elsewhere this would renice the process.
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.writer_nice)
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            fut, result, payload, manifest_metadata = item
+            try:
+                self._persist(result, payload, manifest_metadata)
+            except BaseException as e:  # never let the writer die; report and go on
+                result.error = result.error or f"{type(e).__name__}: {e}"
+            finally:
+                fut.set_result(result)
+
+    def _persist(self, result: SaveResult, payload: Any, manifest_metadata: dict[str, Any]) -> None:
+        step = result.step
+        t0 = time.perf_counter()
+        if self.store.is_committed(step):
+            # e.g. preempted right after resuming from this very step: nothing to add.
+            result.committed = True
+            result.phase = "skipped"
+            self._emit("skipped", {"step": step, "reason": "already committed"})
+            return
+        try:
+            info = self.store.write_shard(
+                step, self.rank, self.world_size, payload, attempt=self.attempt
+            )
+        except Exception as e:
+            self._fail(result, "persist", e)
+            self.store.write_failure(
+                step, self.rank, self.world_size, _describe(e), attempt=self.attempt
+            )
+            return
+        result.persist_s = time.perf_counter() - t0
+        self._emit(
+            "persisted",
+            {
+                "step": step,
+                "bytes": info.bytes,
+                "persist_ms": result.persist_s * 1e3,
+                "sha256": info.sha256,
+            },
+        )
+        if not self.committer:
+            return
+        t1 = time.perf_counter()
+        try:
+            manifest = self.store.commit(
+                step,
+                self.world_size,
+                attempt=self.attempt,
+                job=self.job,
+                metadata=manifest_metadata,
+                timeout_s=self.commit_timeout_s,
+                cancelled=self._cancel.is_set,
+            )
+        except Exception as e:
+            self._fail(result, "commit", e)
+            return
+        result.commit_s = time.perf_counter() - t1
+        result.committed = True
+        info_commit: dict[str, Any] = {
+            "step": step,
+            "bytes": manifest.bytes,
+            "commit_ms": result.commit_s * 1e3,
+            "persist_ms": result.persist_s * 1e3,
+            "url": self.store.step_url(step),
+        }
+        if self.prune:
+            try:
+                result.pruned = self.store.prune()
+                self.store.cleanup_incomplete()
+            except Exception as e:  # the checkpoint is committed; housekeeping can wait
+                info_commit["prune_error"] = _describe(e)
+            info_commit["pruned"] = result.pruned
+        self._emit("committed", info_commit)
+
+    def _fail(self, result: SaveResult, phase: str, e: BaseException) -> None:
+        result.error = _describe(e)
+        result.phase = phase
+        self._emit(
+            "failed",
+            {"step": result.step, "phase": phase, "error": result.error, "bytes": result.bytes},
+        )
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, CheckpointError):
+        return str(e)
+    return f"{type(e).__name__}: {e}"
