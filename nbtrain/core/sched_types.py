@@ -240,8 +240,9 @@ class SchedulerConfig:
     preemption: let a higher-priority job stop whole lower-priority preemptible jobs.
     fair_share: order teams of equal priority by decayed usage / weight.
     team_weights: share weight per team (missing teams weigh 1).
-    fair_share_half_life_s: how fast past usage is forgotten; longer is fairer over long
-        horizons, shorter reacts faster to a team that just arrived.
+    fair_share_half_life_s: how fast past usage is forgotten (default 7 days, Slurm's
+        default); it should be several times the horizon over which shares are expected to
+        hold: with a half-life of one day, shares measured over that day drift by several %.
     max_wait_s: a job queued this long goes first among its priority, whatever its team's
         usage, so fair share never starves it.
     preempt_grace_s: time a victim gets to checkpoint and release; should exceed the time to
@@ -257,7 +258,7 @@ class SchedulerConfig:
     preemption: bool = True
     fair_share: bool = True
     team_weights: Mapping[str, float] = field(default_factory=dict)
-    fair_share_half_life_s: float = 24 * 3600.0
+    fair_share_half_life_s: float = 7 * 86400.0
     max_wait_s: float | None = 12 * 3600.0
     preempt_grace_s: float = 120.0
     restart_cost_s: float = 60.0

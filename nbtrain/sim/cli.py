@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Mapping
 
 from nbtrain.core.topology import Topology
 from nbtrain.sim.compare import ALL_POLICIES, format_table, run_policies
+from nbtrain.sim.ledger import SimResult
 from nbtrain.sim.trace import generate, load_csv, save_csv
 
 __all__ = ["main"]
@@ -93,7 +95,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _plot(results: dict, capacity: int, path: str) -> str:  # type: ignore[type-arg]
+def _plot(results: Mapping[str, SimResult], capacity: int, path: str) -> str:
     from nbtrain.sim.plots import save_report
 
     return str(save_report(results, capacity, path))

@@ -81,8 +81,9 @@ def simulate_gang(
     warmup: float = 0.2,
 ) -> SimResult:
     """Replay ``trace`` on ``topology`` under a gang policy (a name in ``GANG_POLICIES`` or a
-    ``SchedulerConfig``). ``horizon_s`` stops the clock early; ``window_end`` is where
-    utilization and fair-share accounting stop (default: the last arrival)."""
+    ``SchedulerConfig``). ``horizon_s`` stops the clock early. Utilization and fair share are
+    measured from ``warmup * window_end`` to ``window_end`` (default: the last arrival), the
+    stretch where the offered load holds; JCT and waits cover every job."""
     if isinstance(policy, str):
         if policy not in GANG_POLICIES:
             raise ValueError(f"unknown gang policy {policy!r}; choose from {list(GANG_POLICIES)}")

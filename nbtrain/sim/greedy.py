@@ -42,7 +42,8 @@ def simulate_greedy(
     window_end: float | None = None,
     warmup: float = 0.2,
 ) -> SimResult:
-    """Replay ``trace`` with per-rank greedy allocation; elastic jobs run at full size."""
+    """Replay ``trace`` with per-rank greedy allocation; elastic jobs run at full size.
+    Measurement windows as in ``simulate_gang``."""
     jobs = {j.job_id: j for j in trace}
     weights = dict(team_weights or {t: TEAMS.get(t, 1.0) for t in sorted({j.team for j in trace})})
     last_arrival = max((j.submit_s for j in trace), default=0.0)
@@ -61,32 +62,36 @@ def simulate_greedy(
     wall0 = time.perf_counter()
     t = 0.0
     while heap:
-        t, _, _, kind, job_id = heapq.heappop(heap)
+        t = heap[0][0]
         if horizon_s is not None and t > horizon_s:
             t = horizon_s
             break
         t0 = time.perf_counter()
-        if kind == "arrive":
-            if jobs[job_id].size > topology.n_slots:
-                led.rejected.add(job_id)
-            else:
-                waiting[job_id] = _Wait(jobs[job_id])
-                led.waiting += 1
-        elif kind == "finish":
-            idx = running.pop(job_id)
-            led.seg_close(t, job_id)
-            led.unhold(idx)
-            led.finishes[job_id] = t
-            for i in idx.tolist():
-                heapq.heappush(free, i)
-        elif kind == "resolve":
-            resolving = False
-            for w in waiting.values():
-                led.unhold(np.asarray(w.held, dtype=np.int64))
-                for i in w.held:
+        # Everything that happens at one instant lands before the next allocation round, as
+        # the pods of jobs submitted together all wait in the scheduler's queue at once.
+        while heap and heap[0][0] == t:
+            _, _, _, kind, job_id = heapq.heappop(heap)
+            if kind == "arrive":
+                if jobs[job_id].size > topology.n_slots:
+                    led.rejected.add(job_id)
+                else:
+                    waiting[job_id] = _Wait(jobs[job_id])
+                    led.waiting += 1
+            elif kind == "finish":
+                idx = running.pop(job_id)
+                led.seg_close(t, job_id)
+                led.unhold(idx)
+                led.finishes[job_id] = t
+                for i in idx.tolist():
                     heapq.heappush(free, i)
-                w.held.clear()
-            _fifo_fill(waiting, free, led)
+            elif kind == "resolve":
+                resolving = False
+                for w in waiting.values():
+                    led.unhold(np.asarray(w.held, dtype=np.int64))
+                    for i in w.held:
+                        heapq.heappush(free, i)
+                    w.held.clear()
+                _fifo_fill(waiting, free, led)
         _round_robin(waiting, free, led)
         for jid in [k for k, w in waiting.items() if len(w.held) == w.job.size]:
             w = waiting.pop(jid)
