@@ -116,8 +116,13 @@ class Cluster:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def address(self) -> str:
+        """The Dask scheduler's address."""
+        return str(self.client.scheduler_info(n_workers=0).get("address", "?"))
+
     def __repr__(self) -> str:
-        return (f"<nbtrain.Cluster {self.client.scheduler.address} slots={len(self.slots)} "
+        return (f"<nbtrain.Cluster {self.address} slots={len(self.slots)} "
                 f"free={len(self.free_slots)} jobs={len(self.jobs)}>")
 
     def _repr_html_(self) -> str:
@@ -134,7 +139,7 @@ class Cluster:
             for j in jobs
         )
         return (
-            f"<div><b>nbtrain cluster</b> at {html.escape(self.client.scheduler.address)}: "
+            f"<div><b>nbtrain cluster</b> at {html.escape(self.address)}: "
             f"{len(slots)} slots, {len(slots) - len(owner)} free, {len(jobs)} jobs"
             f"<table><tr><th>slot (worker)</th><th>host</th><th>job</th></tr>{rows}</table>"
             + (f"<table><tr><th>job</th><th>state</th><th>step</th><th>reason</th></tr>"
