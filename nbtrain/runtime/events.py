@@ -8,6 +8,7 @@ make ~64 small messages/s rather than 320.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -32,26 +33,32 @@ class EventEmitter:
         self.flush_s = flush_s
         self.batch_max = batch_max
         self._rows: list[list[Any]] = []
+        self._lock = threading.Lock()  # the checkpoint writer thread emits too
         self._last_flush = time.monotonic()
         self._worker = get_worker()
 
     def step(self, row: list[Any]) -> None:
-        self._rows.append(row)
-        now = time.monotonic()
-        if len(self._rows) >= self.batch_max or now - self._last_flush >= self.flush_s:
-            self.flush(now)
+        with self._lock:
+            self._rows.append(row)
+            now = time.monotonic()
+            if len(self._rows) >= self.batch_max or now - self._last_flush >= self.flush_s:
+                self._flush_locked(now)
 
-    def flush(self, now: float | None = None) -> None:
-        self._last_flush = time.monotonic() if now is None else now
-        if not self._rows:
-            return
-        rows, self._rows = self._rows, []
-        self._send({"kind": "steps", "rows": rows})
+    def flush(self) -> None:
+        with self._lock:
+            self._flush_locked(time.monotonic())
 
     def emit(self, kind: str, **info: Any) -> None:
         """Send a non-step event now (flushing buffered steps first, to keep order)."""
-        self.flush()
-        self._send({"kind": kind, **info})
+        with self._lock:
+            self._flush_locked(time.monotonic())
+            self._send({"kind": kind, **info})
+
+    def _flush_locked(self, now: float) -> None:
+        self._last_flush = now
+        if self._rows:
+            rows, self._rows = self._rows, []
+            self._send({"kind": "steps", "rows": rows})
 
     def _send(self, msg: dict[str, Any]) -> None:
         msg["rank"] = self.rank
