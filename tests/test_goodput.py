@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import pytest
+
+from nbtrain.core.goodput import GoodputLedger
+
+
+def test_breakdown_adds_up_with_rollback_and_checkpoints() -> None:
+    g = GoodputLedger(now=0.0)
+    g.enter("startup", 2.0)          # queued 2 s
+    g.enter("training", 5.0)         # startup 3 s
+    for step in range(1, 11):        # 10 steps of 0.5 s: 5.0 .. 10.0
+        g.step(step, 0.5)
+    g.checkpoint_blocked(0.2)
+    g.committed(6)
+    g.enter("recovery", 10.0)        # fault at 10 s: steps 7..10 are lost on resume from 6
+    assert g.rollback(6) == 4
+    g.enter("training", 13.0)        # recovery 3 s
+    g.enter("ended", 15.0)
+    b = g.snapshot(now=20.0)         # ended time is not wall time of the job
+    assert b.wall_s == pytest.approx(15.0)
+    assert b.queued_s == pytest.approx(2.0)
+    assert b.startup_s == pytest.approx(3.0)
+    assert b.recovery_s == pytest.approx(3.0)
+    assert b.lost_s == pytest.approx(2.0) and b.lost_steps == 4
+    assert b.checkpoint_s == pytest.approx(0.2)
+    # training 5 + 2 = 7 s, minus 0.2 blocking, minus 2 lost
+    assert b.productive_s == pytest.approx(4.8)
+    parts = b.productive_s + b.queued_s + b.startup_s + b.recovery_s + b.lost_s + b.checkpoint_s
+    assert parts == pytest.approx(b.wall_s)
+    assert b.fraction == pytest.approx(4.8 / 15.0)
+
+
+def test_committed_steps_cannot_be_lost() -> None:
+    g = GoodputLedger(now=0.0)
+    g.enter("training", 0.0)
+    for step in range(1, 5):
+        g.step(step, 1.0)
+    g.committed(4)
+    assert g.rollback(4) == 0
+    assert g.rollback(0) == 0  # older checkpoint requested: committed steps stay counted
+
+
+def test_unknown_phase_is_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown goodput phase 'lunch'"):
+        GoodputLedger(now=0.0).enter("lunch", 1.0)
