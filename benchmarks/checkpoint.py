@@ -330,6 +330,7 @@ def report(ranks: list[dict[str, Any]], args: argparse.Namespace, wall: float) -
         "blocking_ratio_vs_sync_nofsync": blocking_s / worst("sync_nofsync_s"),
         "blocking_ratio_vs_dcp": blocking_s / dcp_s,
         "blocking_vs_memcpy": worst("blocking_vs_memcpy"),
+        "memcpy_ratio_vs_sync": memcpy_s / sync_s,  # the best blocking_ratio_vs_sync possible
         "slowdown_during_persist": thread_slow,
         "process_slowdown_during_persist": proc_slow,
         "slowdown_during_persist_ws2": ws2_slow,
@@ -340,6 +341,7 @@ def report(ranks: list[dict[str, Any]], args: argparse.Namespace, wall: float) -
         "quick": bool(args.quick),
         "reps": args.reps,
         "cpus": os.cpu_count(),
+        "loadavg_1m_at_end": os.getloadavg()[0],
         "torch": torch.__version__,
         "wall_s": wall,
     }
@@ -366,7 +368,8 @@ def report(ranks: list[dict[str, Any]], args: argparse.Namespace, wall: float) -
         (
             "(e) host memcpy of the state",
             f"{memcpy_s * 1e3:.1f} ms",
-            f"b/e {fig['blocking_vs_memcpy']:.2f} (target <= 2)",
+            f"b/e {fig['blocking_vs_memcpy']:.2f} (target <= 2); "
+            f"e/a {fig['memcpy_ratio_vs_sync']:.3f}",
         ),
         ("(d) step slowdown, thread writer", f"{thread_slow * 100:+.1f} %", "target <= 5 %"),
         ("    step slowdown, process writer", f"{proc_slow * 100:+.1f} %", "no-GIL reference"),
