@@ -121,16 +121,19 @@ class CommModel:
 class CommCost:
     """Estimated traffic of one placement, per level in ``LEVELS`` (relative units per step).
 
-    ``time`` is traffic divided by bandwidth summed over levels (relative seconds);
+    ``time`` is traffic divided by bandwidth summed over levels (relative link-seconds);
     ``uplink`` is the traffic that leaves a leaf switch (levels ``pod`` and ``cluster``).
-    ``tp_groups`` and ``tp_in_nvlink`` count the TP groups (tp > 1) and those inside one
-    NVLink domain.
+    ``dim_time`` is, per mesh dim in ``MESH_DIM_NAMES`` order, the dim's weight over the
+    bandwidth of its slowest link: a ring collective runs at the pace of that link, so this is
+    what a poor placement adds to a step. ``tp_groups`` and ``tp_in_nvlink`` count the TP
+    groups (tp > 1) and those inside one NVLink domain.
     """
 
     traffic: tuple[float, ...]
     time: float
     tp_groups: int
     tp_in_nvlink: int
+    dim_time: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
     @property
     def uplink(self) -> float:
@@ -405,6 +408,8 @@ def comm_cost(
     shape = layout.mesh_shape(int(idx.shape[0]))
     grid = idx.reshape(shape)
     traffic = np.zeros(len(LEVELS), dtype=np.float64)
+    bw = np.asarray(topology.bandwidth.as_tuple())
+    dim_time = [0.0, 0.0, 0.0, 0.0]
     for axis, name in enumerate(MESH_DIM_NAMES):
         n = shape[axis]
         if n < 2:
@@ -420,7 +425,7 @@ def comm_cost(
                 b = np.take(grid, [1], axis=axis).ravel()
         levels = topology.pair_level(a, b)
         traffic += np.bincount(levels, minlength=len(LEVELS)) * getattr(model, name)
-    bw = np.asarray(topology.bandwidth.as_tuple())
+        dim_time[axis] = float(getattr(model, name) / bw[levels].min())
     tp_groups = 0
     tp_in = 0
     if layout.tp > 1:
@@ -432,4 +437,5 @@ def comm_cost(
         time=float((traffic / bw).sum()),
         tp_groups=tp_groups,
         tp_in_nvlink=tp_in,
+        dim_time=(dim_time[0], dim_time[1], dim_time[2], dim_time[3]),
     )

@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="mean jobs per submission burst (default 1: Poisson arrivals)")
     t.add_argument("--trace", default=None, help="read jobs from this CSV instead")
     t.add_argument("--save-trace", default=None, help="write the generated trace to this CSV")
+    t.add_argument("--no-slowdown", action="store_true",
+                   help="placement does not change job speed (default: TP off NVLink and "
+                        "needless network hops slow a job, see nbtrain.sim.ledger)")
     o = p.add_argument_group("output")
     o.add_argument("--policies", default="nbtrain,fifo,first_fit,greedy",
                    help=f"comma-separated, from {','.join(ALL_POLICIES)}")
@@ -82,9 +85,11 @@ def main(argv: list[str]) -> int:
         return 2
     print(f"cluster: {topo.describe()}")
     print(f"jobs: {source}")
-    results = run_policies(topo, trace, policies, seed=args.seed)
+    results = run_policies(topo, trace, policies, seed=args.seed,
+                           exposed={} if args.no_slowdown else None)
     print(format_table(results))
     print("util: slot-time in complete gangs over the arrival window (first 20% = warm-up); "
+          "goodput: the same at ideal speed (a poorly placed job is busy but slow); "
           "uplink: traffic leaving a leaf switch per slot-hour (relative units)")
     if args.plot:
         path = _plot(results, topo.n_slots, args.plot)

@@ -18,6 +18,7 @@ ALL_POLICIES: tuple[str, ...] = ("nbtrain", "fifo", "first_fit", "random", "gree
 COLUMNS: tuple[tuple[str, str, str], ...] = (
     # (metric, header, format)
     ("util", "util", "{:.1%}"),
+    ("goodput", "goodput", "{:.1%}"),
     ("jct_mean_h", "JCT h", "{:.2f}"),
     ("jct_p95_h", "JCT p95", "{:.2f}"),
     ("wait_mean_h", "wait h", "{:.2f}"),
@@ -41,16 +42,18 @@ def run_policies(
     team_weights: Mapping[str, float] | None = None,
     seed: int = 0,
     horizon_s: float | None = None,
+    exposed: Mapping[str, float] | None = None,
 ) -> dict[str, SimResult]:
-    """Replay ``trace`` once per policy; results keyed by policy name."""
+    """Replay ``trace`` once per policy; results keyed by policy name. ``exposed`` sets how
+    placement slows jobs (``nbtrain.sim.ledger.EXPOSED`` by default; ``{}`` for never)."""
     out: dict[str, SimResult] = {}
     for name in policies:
         if name == "greedy":
             out[name] = simulate_greedy(topology, trace, team_weights=team_weights,
-                                        horizon_s=horizon_s)
+                                        horizon_s=horizon_s, exposed=exposed)
         elif name in GANG_POLICIES:
             out[name] = simulate_gang(topology, trace, name, team_weights=team_weights,
-                                      seed=seed, horizon_s=horizon_s)
+                                      seed=seed, horizon_s=horizon_s, exposed=exposed)
         else:
             raise ValueError(f"unknown policy {name!r}; choose from {ALL_POLICIES}")
     return out

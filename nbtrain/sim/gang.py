@@ -6,7 +6,8 @@ events, carries out the decisions (start, preempt, resize) on simulated time, an
 (``SimResult.schedule_hash``).
 
 Work model: a job needs ``size * duration_s`` slot-seconds of work and progresses at its
-allocated size. A preempted job checkpoints within ``checkpoint_write_s`` (kept if that is
+allocated size, slowed by a poor placement (``Ledger.slowdown``: TP over the network makes a
+step longer). A preempted job checkpoints within ``checkpoint_write_s`` (kept if that is
 within the grace period, otherwise the ranks are killed at the grace period and the job falls
 back to its last periodic checkpoint); each restart costs ``restart_s`` before progress resumes.
 """
@@ -58,8 +59,9 @@ and nbtrain's queueing with naive placement (first fit, random)."""
 class _Run:
     job: TraceJob
     layout: Layout
-    remaining: float  # slot-seconds of work left
+    remaining: float  # slot-seconds of work left (at ideal speed)
     gen: int = 0
+    slowdown: float = 1.0
     idx: IntArray | None = None
     seg_start: float = 0.0
     overhead: float = 0.0
@@ -79,6 +81,7 @@ def simulate_gang(
     horizon_s: float | None = None,
     window_end: float | None = None,
     warmup: float = 0.2,
+    exposed: Mapping[str, float] | None = None,
 ) -> SimResult:
     """Replay ``trace`` on ``topology`` under a gang policy (a name in ``GANG_POLICIES`` or a
     ``SchedulerConfig``). ``horizon_s`` stops the clock early. Utilization and fair share are
@@ -98,7 +101,7 @@ def simulate_gang(
         raise ValueError("trace job ids must be unique")
     last_arrival = max((j.submit_s for j in trace), default=0.0)
     end = window_end if window_end is not None else (horizon_s or last_arrival or 1.0)
-    led = Ledger(topology, jobs, weights, end, window_start=warmup * end)
+    led = Ledger(topology, jobs, weights, end, window_start=warmup * end, exposed=exposed)
     runs = {j.job_id: _Run(j, Layout(tp=j.tp, pp=j.pp), j.size * j.duration_s) for j in trace}
     heap: list[tuple[float, int, int, str, str, int]] = []
     seq = 0
@@ -148,7 +151,7 @@ def simulate_gang(
                 run.overhead = restart_s if run.restarts else 0.0
                 run.idx, run.seg_start = idx, t
                 led.hold(idx)
-                led.seg_open(t, d.job_id, idx, run.layout)
+                run.slowdown = led.seg_open(t, d.job_id, idx, run.layout)
                 seq += 1
                 heapq.heappush(heap, (_finish_at(run, t), 0, seq, "finish", d.job_id, run.gen))
             elif isinstance(d, PreemptJob):
@@ -173,7 +176,7 @@ def simulate_gang(
                 run.overhead = restart_s
                 run.idx, run.seg_start = idx, t
                 led.hold(idx)
-                led.seg_open(t, d.job_id, idx, run.layout)
+                run.slowdown = led.seg_open(t, d.job_id, idx, run.layout)
                 seq += 1
                 heapq.heappush(heap, (_finish_at(run, t), 0, seq, "finish", d.job_id, run.gen))
             elif isinstance(d, RejectJob):
@@ -197,7 +200,7 @@ def simulate_gang(
 
 def _finish_at(run: _Run, t: float) -> float:
     assert run.idx is not None
-    return float(t + run.overhead + run.remaining / run.idx.shape[0])
+    return float(t + run.overhead + run.remaining * run.slowdown / run.idx.shape[0])
 
 
 def _progress(run: _Run, t: float, grace: float, write_s: float) -> float:
@@ -210,7 +213,7 @@ def _progress(run: _Run, t: float, grace: float, write_s: float) -> float:
         every = run.job.checkpoint_every_s
         kept = math.floor(ran / every) * every if every else 0.0
         delay = grace
-    run.remaining = max(0.0, run.remaining - kept * run.idx.shape[0])
+    run.remaining = max(0.0, run.remaining - kept * run.idx.shape[0] / run.slowdown)
     return delay
 
 

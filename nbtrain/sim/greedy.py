@@ -41,6 +41,7 @@ def simulate_greedy(
     horizon_s: float | None = None,
     window_end: float | None = None,
     warmup: float = 0.2,
+    exposed: Mapping[str, float] | None = None,
 ) -> SimResult:
     """Replay ``trace`` with per-rank greedy allocation; elastic jobs run at full size.
     Measurement windows as in ``simulate_gang``."""
@@ -48,7 +49,7 @@ def simulate_greedy(
     weights = dict(team_weights or {t: TEAMS.get(t, 1.0) for t in sorted({j.team for j in trace})})
     last_arrival = max((j.submit_s for j in trace), default=0.0)
     end = window_end if window_end is not None else (horizon_s or last_arrival or 1.0)
-    led = Ledger(topology, jobs, weights, end, window_start=warmup * end)
+    led = Ledger(topology, jobs, weights, end, window_start=warmup * end, exposed=exposed)
     free: list[int] = list(range(topology.n_slots))  # a heap: lowest index first
     waiting: dict[str, _Wait] = {}
     running: dict[str, np.ndarray] = {}
@@ -99,9 +100,9 @@ def simulate_greedy(
             running[jid] = idx
             led.waiting -= 1
             led.log(t, "start", jid, tuple(w.held))
-            led.seg_open(t, jid, idx, Layout(tp=w.job.tp, pp=w.job.pp))
+            slow = led.seg_open(t, jid, idx, Layout(tp=w.job.tp, pp=w.job.pp))
             seq += 1
-            heapq.heappush(heap, (t + w.job.duration_s, 0, seq, "finish", jid))
+            heapq.heappush(heap, (t + w.job.duration_s * slow, 0, seq, "finish", jid))
         led.decision_s.append(time.perf_counter() - t0)
         partial = sum(len(w.held) for w in waiting.values())
         if not free and not running and partial and not resolving:
