@@ -324,6 +324,14 @@ def test_cleanup_removes_only_older_incomplete_directories(local: CheckpointStor
     assert local.committed() == [2] and local.load_shard(2, 1)["step"] == 2
 
 
+def test_cleanup_leaves_unreadable_checkpoints_alone(store: CheckpointStore) -> None:
+    checkpoint(store, 1)
+    checkpoint(store, 2)
+    _forge_manifest(store, 1, version=99)  # e.g. written by a newer nbtrain
+    assert store.cleanup_incomplete() == []
+    assert store.fs.exists(f"{store.step_dir(1)}/{MANIFEST}")
+
+
 @settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

@@ -594,21 +594,28 @@ class CheckpointStore:
 
     # -- housekeeping -------------------------------------------------------------------------
     def cleanup_incomplete(self) -> list[str]:
-        """Remove uncommitted step directories older than the newest committed checkpoint and
-        leftover temporary files in committed ones. Newer uncommitted directories may still be
-        being written by a live writer, so they stay."""
+        """Remove step directories without a manifest that are older than the newest committed
+        checkpoint, and leftover temporary files in committed ones.
+
+        Newer directories without a manifest may still be being written by a live writer, so
+        they stay. Directories with an unreadable manifest (corrupt, foreign, or written by
+        another format version) stay too: they are not ours to delete; ``restore_latest``
+        reports them.
+        """
         steps = self._steps_on_disk()
         newest = next((s for s in steps if self.is_committed(s)), None)
         removed: list[str] = []
         if newest is None:
             return removed
         for s in steps:
+            if s > newest:
+                continue
             sdir = self.step_dir(s)
-            if s < newest and not self.is_committed(s):
+            if not self.fs.exists(f"{sdir}/{MANIFEST}"):
                 with contextlib.suppress(FileNotFoundError):
                     self.fs.rm(sdir, recursive=True)
                     removed.append(sdir)
-            elif s <= newest:
+            elif self.is_committed(s):
                 for name in self.fs.ls(sdir, detail=False):
                     if _TMP in posixpath.basename(str(name)):
                         with contextlib.suppress(FileNotFoundError):
