@@ -7,7 +7,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nbtrain.core.placement import MESH_DIM_NAMES, Layout, comm_cost, place, place_indices
+from nbtrain.core.placement import (
+    MESH_DIM_NAMES,
+    Layout,
+    check_feasible,
+    comm_cost,
+    place,
+    place_indices,
+)
 from nbtrain.core.slotstate import FREE, SlotState
 from nbtrain.core.topology import Topology
 
@@ -34,10 +41,13 @@ def test_layout_errors_name_the_fix() -> None:
     topo = Topology.declare(2, 8)
     with pytest.raises(ValueError, match="not a multiple of tp\\*cp\\*pp=8"):
         place(topo, None, 12, Layout(tp=8))
+    # too big for this cluster: no placement now (workers may join); check_feasible says why
+    assert place(topo, None, 16, Layout(tp=16)) is None
+    assert place(topo, None, 32, Layout(tp=8)) is None
     with pytest.raises(ValueError, match="lower tp to at most 8"):
-        place(topo, None, 16, Layout(tp=16))
+        check_feasible(topo, 16, Layout(tp=16))
     with pytest.raises(ValueError, match="exceeds what this cluster can ever hold"):
-        place(topo, None, 32, Layout(tp=8))
+        check_feasible(topo, 32, Layout(tp=8))
     with pytest.raises(ValueError, match=r"Layout\.dp=3"):
         place(topo, None, 16, Layout(tp=8, dp=3))
 

@@ -26,8 +26,9 @@ Engine use::
     if p is None: ...          # does not fit now: the whole gang waits
     p.slots                    # slot id per rank
 
-``policy="first_fit"`` (first free slots in index order, ignoring NVLink) and ``"random"`` are
-the naive baselines the simulator and benchmark compare against.
+``check_feasible(topo, world_size, layout)`` raises (naming the fix) when a job could never fit
+this topology. ``policy="first_fit"`` (first free slots in index order, ignoring NVLink) and
+``"random"`` are the naive baselines the simulator and benchmark compare against.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ __all__ = [
     "CommModel",
     "Layout",
     "Placement",
+    "check_feasible",
     "comm_cost",
     "place",
     "place_indices",
@@ -175,14 +177,16 @@ def place(
 ) -> Placement | None:
     """Place a gang of ``world_size`` ranks on ``free_slots`` (all slots when ``None``).
 
-    Returns ``None`` when the gang does not fit (never a partial placement). ``compare=True``
-    also fills ``first_fit_cost``. Raises ``ValueError`` for a layout that can never fit this
-    topology (TP degree above the largest NVLink domain, world size not a multiple of the
-    replica), so a caller can reject the job instead of queueing it forever.
+    Returns ``None`` when the gang does not fit now (never a partial placement), including
+    when it is larger than the whole cluster or its TP degree exceeds every NVLink domain:
+    workers may still join. ``check_feasible`` says whether it could ever fit this topology.
+    ``compare=True`` also fills ``first_fit_cost``. Raises ``ValueError`` only for a malformed
+    request (world size not a multiple of ``tp * cp * pp``).
     """
     layout = layout or Layout()
     shape = layout.mesh_shape(world_size)
-    check_feasible(topology, world_size, layout)
+    if layout.tp > topology.max_nvlink:
+        return None
     state = SlotState(topology)
     if free_slots is not None:
         owner = np.zeros(topology.n_slots, dtype=np.int64)
