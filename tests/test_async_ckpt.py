@@ -13,6 +13,7 @@ import torch
 
 from nbtrain.runtime.async_ckpt import AsyncCheckpointer
 from nbtrain.runtime.rng import capture_rng_state, restore_rng_state
+from nbtrain.runtime.snapshot import load_state
 from nbtrain.runtime.storage import CheckpointStore, ShardInfo
 
 Events = list[tuple[str, dict[str, Any]]]
@@ -296,9 +297,7 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     model, opt, sched = make()
     res = store.restore_latest(0)
     assert res is not None and res.step == n
-    model.load_state_dict(res.payload["state"]["model"])
-    opt.load_state_dict(res.payload["state"]["optimizer"])
-    sched.load_state_dict(res.payload["state"]["sched"])
+    load_state({"model": model, "optimizer": opt, "sched": sched}, res.payload["state"])
     restore_rng_state(res.payload["meta"]["rng"])
     train(model, opt, sched, n, n)
     for k, v in model.state_dict().items():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from nbtrain.runtime.snapshot import HostSnapshotter, SnapshotError
+from nbtrain.runtime.snapshot import HostSnapshotter, SnapshotError, load_state
 
 
 def roundtrip(obj: object) -> object:
@@ -189,3 +189,41 @@ def test_cuda_tensors_go_to_pinned_buffers() -> None:
     x.add_(1)
     snap2 = s.snapshot({"x": x})
     assert snap2.allocated_bytes == 0 and torch.equal(snap2.state["x"], x.cpu())
+
+
+def test_load_state_puts_everything_back_in_place() -> None:
+    model, opt, sched = trained()
+    extra = torch.arange(3.0)
+    counters = {"epoch": 4, "seen": [1, 2]}
+    state = {"model": model, "optimizer": opt, "sched": sched, "extra": extra, "c": counters}
+    saved = roundtrip(HostSnapshotter().snapshot(state).state)
+    expected = roundtrip(HostSnapshotter().snapshot(state).state)
+    model2, opt2, sched2 = trained()
+    with torch.no_grad():
+        for p in model2.parameters():
+            p.zero_()
+    extra2 = torch.zeros(3)
+    counters2: dict[str, object] = {"epoch": 0, "seen": [0, 0]}
+    live = {"model": model2, "optimizer": opt2, "sched": sched2, "extra": extra2, "c": counters2}
+    out = load_state(live, saved)
+    assert out is live and live["extra"] is extra2 and torch.equal(extra2, torch.arange(3.0))
+    assert counters2 == {"epoch": 4, "seen": [1, 2]}
+    assert equal(roundtrip(HostSnapshotter().snapshot(live).state), expected)
+
+
+@pytest.mark.parametrize(
+    ("live", "saved", "match"),
+    [
+        ({"a": 1, "b": 2}, {"a": 1, "c": 3}, r"missing there: \['b'\], only there: \['c'\]"),
+        (
+            {"w": torch.zeros(3)},
+            {"w": torch.zeros(4)},
+            r"state\['w'\]: the checkpoint holds \(4,\)",
+        ),
+        ({"l": [1, 2]}, {"l": [1]}, r"state\['l'\]: the checkpoint holds list of length 1"),
+        ({"d": {"x": 1}}, {"d": 5}, r"holds a int, the live state a dict"),
+    ],
+)
+def test_load_state_names_mismatches(live: object, saved: object, match: str) -> None:
+    with pytest.raises(SnapshotError, match=match):
+        load_state(live, saved)

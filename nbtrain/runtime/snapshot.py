@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["HostSnapshotter", "Snapshot", "SnapshotError"]
+__all__ = ["HostSnapshotter", "Snapshot", "SnapshotError", "load_state"]
 
 _PLAIN = (int, float, bool, str, bytes, type(None), complex, torch.dtype, torch.device)
 
@@ -172,3 +172,62 @@ class HostSnapshotter:
         self._seen[key] = buf
         self._nbytes += buf.numel() * buf.element_size()
         return buf
+
+
+def load_state(target: Any, saved: Any, path: Path = ()) -> Any:
+    """Put a loaded snapshot back into the live state that ``Recipe.setup`` returned.
+
+    Objects with ``load_state_dict()`` (modules, optimizers, schedulers, loaders) load their
+    part in place; tensors are copied in place (so optimizers keep pointing at them); dicts
+    and lists are updated in place, key by key; plain values are replaced. Returns the
+    restored structure. Keys must match both ways, so a recipe that changed its state since
+    the checkpoint fails here with the difference named, not later with a silent default.
+    """
+    if isinstance(target, torch.Tensor):
+        if not isinstance(saved, torch.Tensor) or saved.shape != target.shape:
+            got = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
+            raise SnapshotError(
+                f"{_where(path)}: the checkpoint holds {got}, the live tensor has shape "
+                f"{tuple(target.shape)}; the model changed since the checkpoint was taken"
+            )
+        with torch.no_grad():
+            target.copy_(saved)
+        return target
+    load = getattr(target, "load_state_dict", None)
+    if callable(load) and not isinstance(target, Mapping):
+        load(saved)
+        return target
+    if isinstance(target, Mapping):
+        if not isinstance(saved, Mapping):
+            raise SnapshotError(
+                f"{_where(path)}: the checkpoint holds a {type(saved).__name__}, the live "
+                "state a dict"
+            )
+        missing = [k for k in target if k not in saved]
+        extra = [k for k in saved if k not in target]
+        if missing or extra:
+            raise SnapshotError(
+                f"{_where(path)}: keys differ from the checkpoint (missing there: {missing}, "
+                f"only there: {extra}); restore with the recipe that wrote it, or adapt "
+                "the state before resuming"
+            )
+        restored = {k: load_state(target[k], saved[k], (*path, k)) for k in target}
+        if isinstance(target, dict):
+            target.update(restored)
+            return target
+        return restored
+    if isinstance(target, (list, tuple)) and not isinstance(target, torch.Size):
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(target):
+            raise SnapshotError(
+                f"{_where(path)}: the checkpoint holds {type(saved).__name__} of length "
+                f"{len(saved) if isinstance(saved, (list, tuple)) else '?'}, the live state "
+                f"a {type(target).__name__} of length {len(target)}"
+            )
+        items = [
+            load_state(t, s, (*path, i)) for i, (t, s) in enumerate(zip(target, saved, strict=True))
+        ]
+        if isinstance(target, list):
+            target[:] = items
+            return target
+        return tuple(items)
+    return saved
