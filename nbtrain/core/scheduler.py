@@ -13,13 +13,25 @@ What one scheduling pass does, after the event is applied:
    order alone. Start every job whose whole gang can be placed now (all or nothing; elastic
    jobs at the largest size that fits, at least ``min_size``).
 2. The first job that does not fit is the *head*. For it, in turn: wait if jobs being stopped
-   will make room; shrink elastic jobs of no higher priority to their minimum; preempt whole
+   will make room; shrink elastic jobs of no higher priority as far as needed (never below
+   their minimum) if that lets it start now; preempt whole
    lower-priority jobs, chosen so that the freed slots form a domain the head can use (checked
    by placing it before anyone is preempted); otherwise reserve the slots it will get when
    running jobs end at their estimates (the shadow time).
 3. Backfill: later jobs start only on slots outside the head's reservation, unless their
    estimate says they end before the shadow time.
 4. When nobody waits, grow elastic jobs into idle slots.
+
+Engine use (one queue shared by many notebooks)::
+
+    sched = Scheduler(Topology.from_hosts(workers_by_host), SchedulerConfig(team_weights=w))
+    for d in sched.handle(Submit(now, JobRequest(job_id="j1", size=4, layout=Layout(tp=2)))):
+        StartJob   -> launch rank r on d.placement.slots[r]
+        PreemptJob -> checkpoint, stop within d.grace_s, then handle(Released(now, d.job_id))
+        ResizeJob  -> restart the job's next generation on d.placement
+        RejectJob  -> tell the user d.reason
+    handle(Finished(now, id)) when a job ends; WorkersAdded / WorkersRemoved as workers come and
+    go; Checkpointed after each committed checkpoint; Tick now and then.
 
 Guarantees the tests check: a job holds either no slots or a complete gang of at least its
 minimum; every start comes with a placement on free slots; a job only preempts jobs of strictly
