@@ -310,3 +310,30 @@ def test_invariants_hold_under_random_events(
                     assert before is None or before == d.job_id or before in freed, (
                         f"{d.job_id} got slot {i} held by {before}")
         s.check_invariants()
+
+
+def _fair_replay(max_wait_s: float | None) -> Scheduler:
+    cfg = SchedulerConfig(team_weights={"big": 4.0, "small": 1.0}, max_wait_s=max_wait_s)
+    s = Scheduler(Topology.declare(1, 4), cfg)
+    s.handle(Submit(0.0, _job("run", 4, team="big", preemptible=False)))
+    s.handle(Submit(10.0, _job("s1", 4, team="small")))
+    s.handle(Submit(20.0, _job("b1", 4, team="big")))
+    # big holds 4 slots with weight 4, small holds none: small is further below its share
+    assert s.queued() == ["s1", "b1"]
+    s.handle(Finished(1000.0, "run"))  # s1 starts; big used 4 slots x 1000 s, weight 4
+    s.handle(Submit(1100.0, _job("s2", 4, team="small")))
+    # small used 4 x 100 s at weight 1: 400 < 4000 / 4, still below big
+    assert s.queued() == ["s2", "b1"]
+    s.handle(Submit(2200.0, _job("b2", 4, team="big")))
+    # small used 4 x 1200 s = 4800 > 1000: big goes first now
+    assert s.queued() == ["b1", "b2", "s2"]
+    s.handle(Finished(9000.0, "s1"))  # b1 starts
+    s.handle(Submit(9100.0, _job("b3", 4, team="big")))
+    return s
+
+
+def test_fair_share_orders_teams_and_aging_overrides_it() -> None:
+    assert _fair_replay(None).queued() == ["b2", "b3", "s2"]
+    # s2 and b2 have waited longer than max_wait_s: they go first, in submit order, although
+    # small is far above its share
+    assert _fair_replay(3600.0).queued() == ["s2", "b2", "b3"]
