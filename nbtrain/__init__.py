@@ -11,10 +11,12 @@ from nbtrain.engine.cluster import Cluster, connect
 from nbtrain.engine.job import JobFailedError, JobHandle
 from nbtrain.runtime.context import RankContext
 from nbtrain.runtime.errors import RankFailure
+from nbtrain.runtime.faults import Fault
 from nbtrain.runtime.recipe import Recipe
 
 __all__ = [
     "Cluster",
+    "Fault",
     "JobFailedError",
     "JobHandle",
     "JobSpec",

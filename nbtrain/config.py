@@ -37,6 +37,10 @@ class Settings:
     controller_tick_s: float = 0.05
     #: How often the controller refreshes the worker (slot) inventory from the scheduler.
     inventory_refresh_s: float = 0.5
+    #: After a rank fails on its own (an exception), how long its peers get to notice before
+    #: the failed rank's worker is restarted. Peers blocked in a gloo collective only see the
+    #: failure when the failed rank's connections close, and they close with its process.
+    peer_release_s: float = 0.3
     #: After the first rank fails, how long the other ranks get to exit before their tasks are
     #: cancelled and their workers restarted.
     failure_grace_s: float = 10.0
@@ -47,6 +51,27 @@ class Settings:
     quiet_workers: bool = True
     #: Text progress lines at most this often (seconds).
     progress_interval_s: float = 2.0
+    #: Where checkpoints go: a local directory (relative to the notebook's working directory)
+    #: or any fsspec URL that every worker can reach. Each job writes under
+    #: ``<root>/<job name>/<job id>/``.
+    checkpoint_root: str = "nbtrain-checkpoints"
+    #: Committed checkpoints kept per job (the newest is never deleted).
+    checkpoint_keep: int = 3
+    #: How long rank 0 waits for every rank's shard before a checkpoint is marked failed.
+    #: Longer than the slowest rank's write of one shard.
+    checkpoint_commit_timeout_s: float = 300.0
+    #: Mean time between failures of a job, for ``checkpoint="auto"`` (Young/Daly).
+    mtbf_s: float = 6 * 3600.0
+    #: Hang watchdog: a running job with no step progress for
+    #: ``max(hang_factor x median step time, hang_floor_s)`` seconds is declared hung. The floor
+    #: should exceed the longest pause between steps (a checkpoint snapshot, an evaluation).
+    hang_factor: float = 20.0
+    hang_floor_s: float = 3.0
+    #: A host whose ranks fail this many times within ``host_failure_window_s`` is avoided
+    #: (softly: used only when nothing else fits) for ``host_exclusion_s``.
+    host_failure_limit: int = 2
+    host_failure_window_s: float = 600.0
+    host_exclusion_s: float = 300.0
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)

@@ -36,3 +36,18 @@ def free_cluster(cluster: nbtrain.Cluster) -> nbtrain.Cluster:
     yield cluster
     wait_for(lambda: len(cluster.free_slots) == len(cluster.slots) == 2, 60,
              "slots freed after the test")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _checkpoint_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Checkpoints of every test job go to a temporary directory, not the working tree."""
+    import os
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    old = os.environ.get("NBTRAIN_CHECKPOINT_ROOT")
+    os.environ["NBTRAIN_CHECKPOINT_ROOT"] = str(root)
+    yield
+    if old is None:
+        os.environ.pop("NBTRAIN_CHECKPOINT_ROOT", None)
+    else:
+        os.environ["NBTRAIN_CHECKPOINT_ROOT"] = old

@@ -40,7 +40,15 @@ class JobSpec:
     team: str = "default"
     queue: bool = True
     seed: int = 0
-    checkpoint_every: int | None = None
+    #: ``"auto"`` (Young/Daly), an int N (every N steps), a duration ("90s", "10m"), or
+    #: None / "off" (on demand, on stop and at preemption only).
+    checkpoint: int | str | None = "auto"
+    #: None (fresh start), "latest" (newest committed checkpoint of any job with this name),
+    #: or the URL of a checkpoint directory or of one ``step-XXXXXXXX`` in it.
+    resume: str | None = None
+    #: Automatic restarts allowed within ``restart_window_s`` before the job is FAILED.
+    max_restarts: int = 3
+    restart_window_s: float = 3600.0
     extra: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -58,7 +66,18 @@ class JobSpec:
                 f"min_size must be between 1 and world_size={self.world_size}, "
                 f"got {self.min_size!r}"
             )
-        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(
-                f"checkpoint_every must be >= 1 step, got {self.checkpoint_every!r}"
+                f"max_restarts must be an integer >= 0, got {self.max_restarts!r}: "
+                "0 fails the job at its first fault"
             )
+        if self.restart_window_s <= 0:
+            raise ValueError(f"restart_window_s must be > 0, got {self.restart_window_s!r}")
+
+    def describe(self) -> dict[str, object]:
+        """JSON-friendly summary (recorded in checkpoint manifests)."""
+        return {
+            "job_id": self.job_id, "name": self.name, "world_size": self.world_size,
+            "steps": self.steps, "seed": self.seed, "team": self.team,
+            "priority": self.priority, "checkpoint": self.checkpoint,
+        }

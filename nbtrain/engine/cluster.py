@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import html
 import logging
 import os
@@ -16,8 +17,10 @@ from distributed import Client, LocalCluster
 
 from nbtrain.config import Settings
 from nbtrain.core.job import JobSpec
+from nbtrain.engine.checkpoints import job_url
 from nbtrain.engine.controller import Controller
 from nbtrain.engine.job import JobHandle
+from nbtrain.runtime.faults import Fault
 from nbtrain.runtime.recipe import Recipe
 
 #: Dask settings for embedded rank workers. On two cores Dask's statistical profiler (every
@@ -81,11 +84,21 @@ class Cluster:
     # -- jobs -----------------------------------------------------------------------------
     def submit(self, recipe: Recipe, *, world_size: int, steps: int, name: str | None = None,
                queue: bool = True, seed: int = 0, priority: int = 0,
-               team: str = "default") -> JobHandle:
+               team: str = "default", checkpoint: int | str | None = "auto",
+               resume: str | None = None, max_restarts: int = 3,
+               restart_window_s: float = 3600.0,
+               faults: list[Fault] | None = None) -> JobHandle:
         """Start ``recipe`` on ``world_size`` slots at once (gang), or queue it.
 
         Returns a :class:`JobHandle` immediately; training runs in the background.
-        With ``queue=False`` a job that cannot start now raises ValueError instead.
+
+        - ``queue=False``: a job that cannot start now raises ValueError instead of waiting.
+        - ``checkpoint``: ``"auto"`` (Young/Daly interval from the measured cost), an int N
+          (every N steps), a duration (``"10m"``), or None (on demand, stop, preemption only).
+        - ``resume``: ``"latest"`` (newest committed checkpoint of a job with this ``name``),
+          or a checkpoint directory / ``step-XXXXXXXX`` URL.
+        - ``max_restarts`` within ``restart_window_s``: automatic recoveries before FAILED.
+        - ``faults``: planned faults (``nbtrain.Fault``) for teaching and tests.
         """
         if self._closed:
             raise RuntimeError("this cluster is closed: call nbtrain.connect() again")
@@ -99,8 +112,11 @@ class Cluster:
         spec = JobSpec(job_id=job_id, name=name or f"{type(recipe).__name__}-{job_id[:4]}",
                        world_size=world_size, steps=steps, queue=queue, seed=seed,
                        priority=priority, team=team)
+        spec = dataclasses.replace(spec, checkpoint=checkpoint, resume=resume,
+                                   max_restarts=max_restarts, restart_window_s=restart_window_s)
         payload = _pickle_recipe(recipe)
-        job = JobHandle(spec, payload, self._controller)
+        url = job_url(self.settings.checkpoint_root, spec.name, job_id)
+        job = JobHandle(spec, payload, self._controller, url, faults)
         self._controller.submit(job)
         return job
 

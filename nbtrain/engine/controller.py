@@ -2,8 +2,10 @@
 
 All decisions and state changes happen on this thread, fed by one queue: submissions and
 control requests from the notebook, rank events from Dask's event stream, rank-task
-completions from future callbacks, and a periodic tick (worker inventory, deadlines). Nothing
-here runs on the kernel's thread, so no call from the notebook waits for training.
+completions from future callbacks, and a periodic tick (worker inventory, hang watchdog,
+deadlines). Nothing here runs on the kernel's thread, so no call from the notebook waits for
+training. Slow cluster operations (restarting a stuck worker) run on helper threads and report
+back through the same queue.
 """
 
 from __future__ import annotations
@@ -11,22 +13,30 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import statistics
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from distributed import Client, Future, Variable
 
 from nbtrain.config import Settings
+from nbtrain.core.checkpoint_policy import parse_checkpoint_setting
 from nbtrain.core.job import JobState
+from nbtrain.engine.checkpoints import resolve_resume
+from nbtrain.engine.health import HostHealth, hung_ranks
 from nbtrain.engine.inventory import Slot, by_host, read_slots
 from nbtrain.engine.job import JobHandle
 from nbtrain.engine.placement import place_gang
+from nbtrain.runtime.checkpointing import CheckpointPlan
 from nbtrain.runtime.control import control_name, empty_control
 from nbtrain.runtime.errors import RankFailure
 from nbtrain.runtime.events import topic_for
+from nbtrain.runtime.faults import Fault, deliver
 from nbtrain.runtime.loop import RankLaunch, rendezvous_name, run_rank
+from nbtrain.runtime.storage import CheckpointStore
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +51,13 @@ class Generation:
     outcomes: dict[int, dict[str, Any]] = field(default_factory=dict)
     failures: dict[int, RankFailure] = field(default_factory=dict)
     failed_at: float | None = None  # monotonic time of the first failure
+    failed_wall: float | None = None
+    last_progress: float = field(default_factory=time.monotonic)
+    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=64))
+    hang: dict[str, Any] | None = None  # set when the watchdog declared this generation hung
+    injected: dict[str, Any] | None = None  # the last fault injected in this generation
+    running: bool = False
+    released: bool = False  # failed ranks' workers restarted to free their peers
 
     def finished(self, world_size: int) -> bool:
         return len(self.outcomes) + len(self.failures) >= world_size
@@ -57,7 +74,10 @@ class Controller:
         self._gens: dict[str, Generation] = {}
         self._slots: dict[str, Slot] = {}
         self._owner: dict[str, str] = {}  # slot address -> job id
+        self._restarting: dict[str, float] = {}  # slot address -> monotonic time asked
         self._subscribed: set[str] = set()
+        self._health = HostHealth(settings.host_failure_limit, settings.host_failure_window_s,
+                                  settings.host_exclusion_s)
         self._closed = threading.Event()
         self._last_inventory = 0.0
         self._refresh_inventory()
@@ -74,13 +94,16 @@ class Controller:
         if error is not None:
             raise error
 
-    def request(self, job: JobHandle, what: str) -> None:
-        self._inbox.put(("request", job, what))
+    def request(self, job: JobHandle, what: str, arg: Any = None) -> None:
+        self._inbox.put(("request", job, what, arg))
 
     def snapshot(self) -> tuple[dict[str, Slot], dict[str, str], list[JobHandle]]:
-        """Slots, slot owners and jobs, for display."""
+        """Slots, slot owners (a job id, or "(restarting)") and jobs, for display."""
         with self._lock:
-            return dict(self._slots), dict(self._owner), list(self._jobs.values())
+            owner = dict(self._owner)
+            for addr in self._restarting:
+                owner.setdefault(addr, "(restarting)")
+            return dict(self._slots), owner, list(self._jobs.values())
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -119,11 +142,15 @@ class Controller:
             else:
                 reply.put(None)
         elif kind == "request":
-            self._on_request(msg[1], msg[2])
+            self._on_request(msg[1], msg[2], msg[3])
         elif kind == "event":
             self._on_event(msg[1], msg[2])
         elif kind == "rank_done":
             self._on_rank_done(msg[1], msg[2], msg[3], msg[4])
+        elif kind == "request_restart":
+            self._restart_workers(msg[1])
+        elif kind == "restarted":
+            self._refresh_inventory()
 
     def _tick(self) -> None:
         now = time.monotonic()
@@ -134,17 +161,25 @@ class Controller:
             job = self._jobs[job_id]
             if gen.failures and not gen.finished(job.spec.world_size):
                 assert gen.failed_at is not None
-                if now - gen.failed_at > self.settings.failure_grace_s:
+                waited = now - gen.failed_at
+                if waited > self.settings.failure_grace_s:
                     self._force_end(job, gen)
+                elif waited > self.settings.peer_release_s and not gen.released:
+                    self._release_peers(gen)
+            elif gen.running and job.status is JobState.RUNNING and gen.hang is None:
+                self._watch_for_hang(job, gen, now)
         self._admit()
 
     # -- submission and admission ---------------------------------------------------------
     def _on_submit(self, job: JobHandle) -> None:
         spec = job.spec
+        parse_checkpoint_setting(spec.checkpoint)  # raises ValueError naming the fix
+        if spec.resume is not None:
+            job._restore = resolve_resume(self.settings.checkpoint_root, spec.name, spec.resume)
         if not spec.queue:
             self._refresh_inventory()
             free = self._free_by_host()
-            if place_gang(free, spec.world_size) is None:
+            if self._place(job, free) is None:
                 n_free = sum(len(v) for v in free.values())
                 raise ValueError(
                     f"job {spec.name} needs {spec.world_size} slots at once but only {n_free} "
@@ -153,18 +188,27 @@ class Controller:
                 )
         with self._lock:
             self._jobs[job.id] = job
-        self._enqueue(job)
+        self._enqueue(job, "waiting for slots")
         self._admit()
 
-    def _enqueue(self, job: JobHandle) -> None:
-        self._queued.append(job)
+    def _enqueue(self, job: JobHandle, reason: str, *, front: bool = False) -> None:
+        if front:
+            self._queued.insert(0, job)
+        else:
+            self._queued.append(job)
         # Highest priority first; FIFO within a priority (sort is stable).
         self._queued.sort(key=lambda j: -j.spec.priority)
-        job._set_state(JobState.QUEUED, "waiting for slots")
+        job._set_state(JobState.QUEUED, reason)
 
     def _free_by_host(self) -> dict[str, list[str]]:
-        free = {a: s for a, s in self._slots.items() if a not in self._owner}
+        free = {a: s for a, s in self._slots.items()
+                if a not in self._owner and a not in self._restarting}
         return by_host(free)
+
+    def _place(self, job: JobHandle, free: dict[str, list[str]]) -> list[str] | None:
+        return place_gang(free, job.spec.world_size, all_by_host=by_host(self._slots),
+                          avoid_hosts=self._health.excluded(time.monotonic()),
+                          avoid_slots=job._avoid_slots)
 
     def _admit(self) -> None:
         """Start queued jobs in order while whole gangs fit. Strict order: a job that does
@@ -172,7 +216,7 @@ class Controller:
         while self._queued:
             job = self._queued[0]
             free = self._free_by_host()
-            placement = place_gang(free, job.spec.world_size)
+            placement = self._place(job, free)
             if placement is None:
                 n_free = sum(len(v) for v in free.values())
                 total = len(self._slots)
@@ -182,6 +226,8 @@ class Controller:
                 else:
                     why = (f"needs {job.spec.world_size} slots at once; {n_free} of {total} "
                            f"free")
+                if job._recovering:
+                    why = f"{job._recovering}; {why}"
                 job._set_state(JobState.QUEUED, why)
                 for behind in self._queued[1:]:
                     behind._set_state(JobState.QUEUED, f"waiting behind job {job.name} ({why})")
@@ -202,20 +248,27 @@ class Controller:
             if job.started_at is None:
                 job.started_at = time.time()
         self._gens[job.id] = gen
-        job._set_state(JobState.STARTING, f"generation {number}: starting {len(slots)} ranks")
+        now = time.monotonic()
+        job._ledger.enter("recovery" if job._recovering else "startup", now)
+        what = f"recovering ({job._recovering})" if job._recovering else "starting"
+        job._set_state(JobState.STARTING,
+                       f"generation {number}: {what}, {len(slots)} ranks")
         if job.id not in self._subscribed:
-            topic = topic_for(job.id)
             self.client.subscribe_topic(
-                topic, lambda event, jid=job.id: self._inbox.put(("event", jid, event[1]))
-            )
+                topic_for(job.id),
+                lambda event, jid=job.id: self._inbox.put(("event", jid, event[1])))
             self._subscribed.add(job.id)
         Variable(control_name(job.id), client=self.client).set(empty_control())
+        plan = self._checkpoint_plan(job)
         host_slots = {h: len(v) for h, v in by_host(self._slots).items()}
+        unfired = tuple(f for f in job._faults if f.id not in job._fired)
         for rank, addr in enumerate(slots):
             launch = RankLaunch(
                 job_id=job.id, rank=rank, world_size=spec.world_size, generation=number,
                 recipe=job._recipe, steps=spec.steps, seed=spec.seed,
                 host_slots=host_slots.get(self._slots[addr].host, 1), settings=self.settings,
+                checkpoint=plan, faults=tuple(f for f in unfired if f.rank == rank),
+                job_info=spec.describe(),
             )
             fut = self.client.submit(
                 run_rank, launch, key=f"nbtrain-{job.id}-g{number}-r{rank}",
@@ -226,19 +279,69 @@ class Controller:
             )
             gen.futures[rank] = fut
 
+    def _checkpoint_plan(self, job: JobHandle) -> CheckpointPlan:
+        """Write to the job's own directory; restore from it when it has a committed
+        checkpoint, else from the ``resume=`` source, else start fresh."""
+        restore: tuple[str, int | None] | None = job._restore
+        own = CheckpointStore(job._ckpt_url, keep=self.settings.checkpoint_keep)
+        if own.latest() is not None:
+            restore = (job._ckpt_url, None)
+        return CheckpointPlan(
+            url=job._ckpt_url,
+            policy=parse_checkpoint_setting(job.spec.checkpoint, mtbf_s=self.settings.mtbf_s),
+            keep=self.settings.checkpoint_keep,
+            restore_url=restore[0] if restore else None,
+            restore_at_or_before=restore[1] if restore else None,
+            commit_timeout_s=self.settings.checkpoint_commit_timeout_s,
+        )
+
     # -- requests -------------------------------------------------------------------------
-    def _on_request(self, job: JobHandle, what: str) -> None:
-        if what != "stop":
-            raise ValueError(f"unknown request {what!r}")
+    def _on_request(self, job: JobHandle, what: str, arg: Any) -> None:
         if job.status.terminal:
             return
-        if job in self._queued:
-            self._queued.remove(job)
-            job._set_state(JobState.CANCELLED, "stopped by user while queued")
-            return
-        if job.id in self._gens:
-            self._set_control(job, stop=1)
-            job._set_state(JobState.STOPPING, "stop requested: ending at the next step boundary")
+        running = job.id in self._gens
+        if what == "stop":
+            job._stop_requested = True
+            if job in self._queued:
+                self._queued.remove(job)
+                job._ledger.enter("ended", time.monotonic())
+                job._set_state(JobState.CANCELLED, "stopped by user while queued")
+            elif job.status is JobState.PREEMPTED:
+                job._ledger.enter("ended", time.monotonic())
+                job._set_state(JobState.CANCELLED, "stopped by user while preempted")
+            elif running:
+                self._set_control(job, stop=1)
+                job._set_state(JobState.STOPPING, "stop requested: ending at the next step "
+                                                  "boundary")
+        elif what == "preempt":
+            if job in self._queued:
+                self._queued.remove(job)
+                job._set_state(JobState.PREEMPTED, "preempted while queued; resume() queues "
+                                                   "it again")
+            elif running:
+                job._preempt_requested = True
+                self._set_control(job, preempt=1)
+                job._set_state(JobState.STOPPING, "preempting: checkpoint at the next step "
+                                                  "boundary, then release the slots")
+        elif what == "resume":
+            if job.status is JobState.PREEMPTED:
+                job._preempt_requested = False
+                self._enqueue(job, "resuming: waiting for slots")
+                self._admit()
+        elif what == "checkpoint":
+            if running:
+                job._checkpoint_seq += 1
+                self._set_control(job, checkpoint=job._checkpoint_seq)
+        elif what == "inject":
+            fault: Fault = arg
+            job._faults.append(fault)
+            gen = self._gens.get(job.id)
+            if gen is not None and fault.rank < len(gen.slots):
+                with contextlib.suppress(Exception):
+                    self.client.run(deliver, job.id, fault.to_dict(),
+                                    workers=[gen.slots[fault.rank]])
+        else:
+            raise ValueError(f"unknown request {what!r}")
 
     def _set_control(self, job: JobHandle, **flags: int) -> None:
         var = Variable(control_name(job.id), client=self.client)
@@ -255,12 +358,50 @@ class Controller:
         if job is None:
             return
         kind = msg.get("kind")
+        gen = self._gens.get(job_id)
+        current = gen is not None and msg.get("gen") == gen.number
         if kind == "steps":
-            job._add_rows(int(msg["gen"]), int(msg["rank"]), msg["rows"])
-            if job.status is JobState.STARTING and msg["gen"] == job.generation:
-                job._set_state(JobState.RUNNING, f"training (generation {job.generation})")
+            rank = int(msg["rank"])
+            job._add_rows(int(msg["gen"]), rank, msg["rows"])
+            if not current:
+                return
+            assert gen is not None
+            gen.last_progress = time.monotonic()
+            if rank == 0:
+                for row in msg["rows"]:
+                    job._ledger.step(int(row[0]), float(row[2]))
+                    gen.step_times.append(float(row[2]))
+            if not gen.running:
+                gen.running = True
+                job._ledger.enter("training", time.monotonic())
+                if job._recovering:
+                    self._finish_recovery(job, gen, msg["rows"])
+                if job.status is JobState.STARTING:
+                    job._set_state(JobState.RUNNING, f"training (generation {gen.number})")
             return
+        if kind == "checkpoint":
+            phase = msg.get("phase")
+            if phase == "committed":
+                job._ledger.committed(int(msg["step"]))
+            elif phase == "snapshot" and msg.get("rank") == 0:
+                job._ledger.checkpoint_blocked(
+                    (float(msg.get("blocking_ms", 0)) + float(msg.get("wait_ms", 0))) / 1e3)
+        elif kind == "fault_injected" and current:
+            assert gen is not None
+            job._fired.add(str(msg["fault"]["id"]))
+            gen.injected = msg
         job._add_event(dict(msg))
+
+    def _finish_recovery(self, job: JobHandle, gen: Generation, rows: list[Any]) -> None:
+        fault = job._fault_log[-1] if job._fault_log else {}
+        start = fault.get("detected_mono")
+        recovery_s = time.monotonic() - start if start is not None else None
+        info = {"kind": "recovery", "generation": gen.number, "recovery_s": recovery_s,
+                "resumed_step": int(rows[0][0]) - 1 if rows else None,
+                "lost_steps": fault.get("lost_steps"), "fault": fault.get("what")}
+        fault["recovery_s"] = recovery_s
+        job._recovering = ""
+        job._add_event(info)
 
     def _on_rank_done(self, job_id: str, number: int, rank: int, fut: Future) -> None:
         gen = self._gens.get(job_id)
@@ -289,6 +430,7 @@ class Controller:
         gen.failures[rank] = failure
         if gen.failed_at is None:
             gen.failed_at = time.monotonic()
+            gen.failed_wall = time.time()
 
     def _check_lost_workers(self) -> None:
         for job_id, gen in list(self._gens.items()):
@@ -297,11 +439,35 @@ class Controller:
                 if addr in self._slots or rank in gen.outcomes or rank in gen.failures:
                     continue
                 self._record_failure(gen, rank, RankFailure(
-                    rank, job.step, addr, f"worker {addr} left the cluster (process died?)",
+                    rank, job.step, addr, f"worker {addr} left the cluster (process died)",
                     "(no traceback: the worker process is gone)", time.time(), peer=False))
                 gen.futures[rank].cancel()
             if gen.finished(job.spec.world_size):
                 self._end_generation(job, gen)
+
+    def _watch_for_hang(self, job: JobHandle, gen: Generation, now: float) -> None:
+        median = statistics.median(gen.step_times) if gen.step_times else 0.0
+        limit = max(self.settings.hang_factor * median, self.settings.hang_floor_s)
+        silent = now - gen.last_progress
+        if silent <= limit:
+            return
+        gen.hang = {"silent_s": silent, "limit_s": limit, "detected_wall": time.time()}
+        keys = {rank: fut.key for rank, fut in gen.futures.items()}
+        slots = list(gen.slots)
+        threading.Thread(target=self._restart_hung, args=(job, keys, slots), daemon=True,
+                         name="nbtrain-hang-restart").start()
+
+    def _restart_hung(self, job: JobHandle, keys: dict[int, Any], slots: list[str]) -> None:
+        """Helper thread: find the ranks stuck outside a collective, restart their workers
+        (their peers' collectives then fail at once); all of the job's when unsure."""
+        try:
+            stacks = self.client.call_stack(keys=list(keys.values()))
+        except Exception:
+            stacks = {}
+        culprits = hung_ranks(keys, slots, stacks)
+        targets = [slots[r] for r in culprits] or slots
+        logger.warning("nbtrain: job %s hung; restarting workers %s", job.name, targets)
+        self._inbox.put(("request_restart", targets))
 
     def _force_end(self, job: JobHandle, gen: Generation) -> None:
         """Ranks still running long after a peer failed are stuck: cancel them and restart
@@ -313,11 +479,34 @@ class Controller:
             self._record_failure(gen, rank, RankFailure(
                 rank, job.step, gen.slots[rank], "did not exit after a peer failed; "
                 "its worker was restarted", "(no traceback)", time.time(), peer=True))
-        addrs = [gen.slots[r] for r in stuck if gen.slots[r] in self._slots]
-        if addrs:
-            with contextlib.suppress(Exception):
-                self.client.restart_workers(addrs, raise_for_error=False)
+        self._restart_workers([gen.slots[r] for r in stuck])
         self._end_generation(job, gen)
+
+    def _release_peers(self, gen: Generation) -> None:
+        """A rank raised and its peers still wait in a collective. Gloo only fails them when
+        the failed rank's connections close, which (measured, torch 2.13) destroying its
+        process group does not do while DDP holds it: restart that rank's worker instead.
+        The peers keep their processes (a warm restart for them)."""
+        gen.released = True
+        self._restart_workers([gen.slots[r] for r, f in gen.failures.items() if not f.peer])
+
+    def _restart_workers(self, addrs: list[str]) -> None:
+        """Restart workers through their nannies on a helper thread; until they are gone
+        from the inventory their slots are not offered to any job."""
+        addrs = [a for a in addrs if a in self._slots and a not in self._restarting]
+        if not addrs:
+            return
+        now = time.monotonic()
+        with self._lock:
+            for addr in addrs:
+                self._restarting[addr] = now
+        threading.Thread(target=self._restart_quietly, args=(addrs,), daemon=True,
+                         name="nbtrain-restart-workers").start()
+
+    def _restart_quietly(self, addrs: list[str]) -> None:
+        with contextlib.suppress(Exception):
+            self.client.restart_workers(addrs, raise_for_error=False)
+        self._inbox.put(("restarted", addrs))
 
     def _end_generation(self, job: JobHandle, gen: Generation) -> None:
         del self._gens[job.id]
@@ -331,20 +520,110 @@ class Controller:
             Variable(rendezvous_name(job.id, gen.number), client=self.client).delete()
         for fut in gen.futures.values():
             fut.release()
-        if gen.failures:
-            primary = _primary_failure(gen.failures)
-            with job._lock:
-                job._error = str(primary)
-            job._set_state(JobState.FAILED,
-                           f"rank {primary.rank} failed at step {primary.step}: {primary.error}")
+        now = time.monotonic()
+        if gen.failures or gen.hang is not None:
+            self._on_generation_failed(job, gen)
         else:
             outcomes = {o.get("outcome") for o in gen.outcomes.values()}
             step = max(int(o.get("step", 0)) for o in gen.outcomes.values())
-            if outcomes == {"completed"}:
+            if "preempted" in outcomes:
+                job._ledger.enter("queued", now)
+                job._set_state(JobState.PREEMPTED,
+                               f"checkpointed at step {step} and released its slots; "
+                               "resume() to continue")
+            elif outcomes == {"completed"}:
+                job._ledger.enter("ended", now)
                 job._set_state(JobState.SUCCEEDED, f"completed {step} steps")
             else:
+                job._ledger.enter("ended", now)
                 job._set_state(JobState.CANCELLED, f"stopped by user at step {step}")
         self._admit()
+
+    def _on_generation_failed(self, job: JobHandle, gen: Generation) -> None:
+        now = time.monotonic()
+        primary = _primary_failure(gen.failures) if gen.failures else None
+        fault = self._describe_fault(job, gen, primary)
+        host = fault.get("host")
+        if host:
+            self._health.record(str(host), now)
+        job._fault_log.append(fault)
+        job._add_event({"kind": "fault", **{k: v for k, v in fault.items()
+                                            if k != "detected_mono"}})
+        if primary is not None:
+            with job._lock:
+                job._error = str(primary)
+        if job._stop_requested:
+            job._ledger.enter("ended", now)
+            job._set_state(JobState.CANCELLED, f"stopped by user; a rank failed meanwhile: "
+                                               f"{fault['error']}")
+            return
+        window = job.spec.restart_window_s
+        recent = [t for t in job._restarts if now - t < window]
+        if len(recent) >= job.spec.max_restarts:
+            job._ledger.enter("ended", now)
+            faults = "; ".join(f"{f['what']} on rank {f['rank']} ({f['host']}) at step "
+                               f"{f['step']}" for f in job._fault_log)
+            budget = (f"restart budget spent (max_restarts={job.spec.max_restarts} within "
+                      f"{window:.0f} s)" if job.spec.max_restarts else "max_restarts=0")
+            with job._lock:
+                job._error = (f"{budget}; faults: {faults}\n\n"
+                              + (str(primary) if primary else ""))
+            job._set_state(JobState.FAILED, f"{fault['what']} on rank {fault['rank']} at step "
+                                            f"{fault['step']}: {fault['error']} ({budget})")
+            return
+        job._restarts.append(now)
+        resume_step = self._newest_committed(job)
+        fault["lost_steps"] = job._ledger.rollback(resume_step)
+        fault["resume_step"] = resume_step
+        job._recovering = (f"restart {len(recent) + 1}/{job.spec.max_restarts} after "
+                           f"{fault['what']} on rank {fault['rank']}")
+        job._avoid_slots = {gen.slots[int(fault["rank"])]} if fault["rank"] is not None else set()
+        job._ledger.enter("recovery", now)
+        self._enqueue(job, f"{job._recovering}: waiting for slots", front=True)
+
+    def _describe_fault(self, job: JobHandle, gen: Generation,
+                        primary: RankFailure | None) -> dict[str, Any]:
+        detected_wall = (gen.hang or {}).get("detected_wall") or gen.failed_wall or time.time()
+        injected_when = None
+        if gen.injected is not None:
+            injected_when = float(gen.injected.get("when", 0)) or None
+        if gen.hang is not None:
+            culprit = next((r for r, f in gen.failures.items() if not f.peer), None)
+            what, rank = "hang", culprit
+            error = (f"no step progress for {gen.hang['silent_s']:.1f} s "
+                     f"(limit {gen.hang['limit_s']:.1f} s)")
+            host = self._slots[gen.slots[rank]].host if (
+                rank is not None and gen.slots[rank] in self._slots) else None
+            step = job.step
+        else:
+            assert primary is not None
+            lost = "left the cluster" in primary.error
+            what = "worker died" if lost else "exception"
+            rank, error, step = primary.rank, primary.error, primary.step
+            host = primary.host
+            if host and "://" in host and host in self._slots:
+                host = self._slots[host].host
+            elif host and "://" in host:
+                host = host.split("://", 1)[1].rsplit(":", 1)[0]
+        if injected_when is None and gen.hang is not None:
+            # Without an injection time, detection latency is counted from the last progress.
+            injected_when = detected_wall - gen.hang["silent_s"]
+        elif injected_when is None and primary is not None and not primary.peer:
+            injected_when = primary.when  # the rank's own clock when it raised
+        detect_s = detected_wall - injected_when if injected_when is not None else None
+        return {"what": what, "rank": rank, "host": host, "step": step, "error": error,
+                "generation": gen.number, "time": detected_wall, "detect_s": detect_s,
+                "detected_mono": time.monotonic()}
+
+    def _newest_committed(self, job: JobHandle) -> int:
+        for url in (job._ckpt_url, job._restore[0] if job._restore else None):
+            if url is None:
+                continue
+            with contextlib.suppress(Exception):
+                latest = CheckpointStore(url).latest()
+                if latest is not None:
+                    return latest
+        return 0
 
     # -- inventory and shutdown -----------------------------------------------------------
     def _refresh_inventory(self) -> None:
@@ -354,8 +633,13 @@ class Controller:
         except Exception:
             logger.debug("could not read workers from the scheduler", exc_info=True)
             return
+        now = time.monotonic()
         with self._lock:
             self._slots = slots
+            # A restarted worker comes back under a new address; the old one is gone for good.
+            # One that never went away (a failed restart) is offered again after a minute.
+            self._restarting = {a: t for a, t in self._restarting.items()
+                                if a in slots and now - t < 60.0}
 
     def _shutdown(self) -> None:
         for job_id, gen in list(self._gens.items()):

@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
+from nbtrain.core.goodput import GoodputLedger
 from nbtrain.core.job import JobSpec, JobState
 from nbtrain.runtime.events import STEP_COLUMNS
+from nbtrain.runtime.faults import Fault
 
 if TYPE_CHECKING:
     from nbtrain.engine.controller import Controller
@@ -24,7 +26,8 @@ class JobFailedError(RuntimeError):
 class JobHandle:
     """Live view and controls of one job. State is written by the controller thread only."""
 
-    def __init__(self, spec: JobSpec, recipe: bytes, controller: Controller) -> None:
+    def __init__(self, spec: JobSpec, recipe: bytes, controller: Controller,
+                 checkpoint_url: str, faults: list[Fault] | None = None) -> None:
         self.spec = spec
         self._recipe = recipe
         self._controller = controller
@@ -42,6 +45,19 @@ class JobHandle:
         self.submitted_at = time.time()
         self.started_at: float | None = None
         self.ended_at: float | None = None
+        # Controller-owned bookkeeping (written on the controller thread only).
+        self._ckpt_url = checkpoint_url
+        self._restore: tuple[str, int | None] | None = None
+        self._faults: list[Fault] = list(faults or [])
+        self._fired: set[str] = set()
+        self._fault_log: list[dict[str, Any]] = []
+        self._restarts: list[float] = []
+        self._recovering = ""
+        self._avoid_slots: set[str] = set()
+        self._stop_requested = False
+        self._preempt_requested = False
+        self._checkpoint_seq = 0
+        self._ledger = GoodputLedger(time.monotonic())
 
     # -- identity -----------------------------------------------------------------------
     @property
@@ -126,6 +142,68 @@ class JobHandle:
     def stop(self) -> None:
         """Stop at the next step boundary (or leave the queue) and release the slots."""
         self._controller.request(self, "stop")
+
+    def preempt(self) -> None:
+        """Checkpoint at the next step boundary, wait for it to commit, release every slot
+        (state PREEMPTED). :meth:`resume` continues from that checkpoint."""
+        self._controller.request(self, "preempt")
+
+    def resume(self) -> None:
+        """Queue a PREEMPTED job again; it continues from its newest committed checkpoint."""
+        state = self.status
+        if state is not JobState.PREEMPTED:
+            raise ValueError(
+                f"job {self.name} is {state.value}: only a PREEMPTED job can resume(); to "
+                f"continue an ended job submit it again with resume='latest'"
+            )
+        self._controller.request(self, "resume")
+
+    def checkpoint(self) -> None:
+        """Take a checkpoint at the next agreed step boundary (asynchronously)."""
+        self._controller.request(self, "checkpoint")
+
+    def inject(self, kind: str, rank: int, *, step: int | None = None, factor: float = 2.0,
+               duration_s: float | None = None) -> Fault:
+        """Inject a fault into a rank: ``kill`` its worker process, ``raise`` an exception,
+        ``hang`` it, or ``slow`` its compute by ``factor`` (``factor=1`` clears a slowdown).
+
+        ``step=None`` fires at the rank's next step; a step number fires there (at most once
+        per job, also across restarts). For teaching, tests and the dashboard.
+        """
+        if not 0 <= rank < self.spec.world_size:
+            raise ValueError(f"rank must be in 0..{self.spec.world_size - 1}, got {rank}")
+        fault = Fault(kind=kind, rank=rank, step=step,
+                      factor=factor if kind == "slow" else 1.0, duration_s=duration_s)
+        self._controller.request(self, "inject", fault)
+        return fault
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """This job's checkpoint directory (local path or fsspec URL)."""
+        return self._ckpt_url
+
+    @property
+    def checkpoints(self) -> list[dict[str, Any]]:
+        """Committed checkpoints of this job, newest first: step, bytes, created, url."""
+        from nbtrain.engine.checkpoints import committed_checkpoints
+
+        return committed_checkpoints(self._ckpt_url)
+
+    @property
+    def faults(self) -> list[dict[str, Any]]:
+        """Faults seen so far: what, rank, host, step, detection latency, recovery time."""
+        with self._lock:
+            return [{k: v for k, v in f.items() if k != "detected_mono"}
+                    for f in self._fault_log]
+
+    @property
+    def restarts(self) -> int:
+        return len(self._restarts)
+
+    def goodput(self) -> dict[str, float]:
+        """Wall time split into productive steps, queueing, startup, checkpoint blocking,
+        recovery and lost (recomputed) work, in seconds, plus the productive fraction."""
+        return self._ledger.snapshot(time.monotonic()).as_dict()
 
     def wait(self, timeout: float | None = None) -> JobState:
         """Block until the job ends; return its final state. Raises TimeoutError."""

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from distributed import Client, Variable
 
 #: Requests, in vector order. ``checkpoint`` is a sequence number: a new number = a new request.
-FLAGS = ("stop", "preempt", "checkpoint")
+#: ``due`` is set by a rank itself: its time-based checkpoint policy says a checkpoint is due.
+FLAGS = ("stop", "preempt", "checkpoint", "due")
 #: Upper bound on steps between agreements, whatever the step time.
 MAX_INTERVAL_STEPS = 64
 
@@ -30,7 +31,7 @@ def control_name(job_id: str) -> str:
 
 
 def empty_control() -> dict[str, int]:
-    return dict.fromkeys(FLAGS, 0)
+    return dict.fromkeys(FLAGS[:-1], 0)
 
 
 class ControlChannel:
@@ -59,10 +60,10 @@ class ControlChannel:
                 continue
             if isinstance(value, dict):
                 with self._lock:
-                    for i, flag in enumerate(FLAGS):
+                    for i, flag in enumerate(FLAGS[:-1]):
                         self._requested[i] = int(value.get(flag, 0))
 
-    def agree(self, proposed_interval: int) -> tuple[dict[str, int], int]:
+    def agree(self, proposed_interval: int, due: bool = False) -> tuple[dict[str, int], int]:
         """Collective: the requests every rank acts on now, and steps until the next agreement.
 
         ``proposed_interval`` is this rank's wish (from its own step time); the agreed
@@ -70,6 +71,7 @@ class ControlChannel:
         """
         with self._lock:
             self._agreed[: len(FLAGS)].copy_(self._requested)
+        self._agreed[len(FLAGS) - 1] = int(due)
         self._agreed[len(FLAGS)] = -max(1, min(MAX_INTERVAL_STEPS, proposed_interval))
         dist.all_reduce(self._agreed, op=dist.ReduceOp.MAX)
         values = [int(v) for v in self._agreed.tolist()]

@@ -1,10 +1,12 @@
 """The rank task: one long-running Dask task per rank and generation.
 
 Sequence: rendezvous (rank 0 opens a TCPStore on a free port and publishes it in a Dask
-Variable), process group, ``recipe.setup``, then the step loop. Each step: fetch the batch
-(data wait), ``recipe.step`` (compute + comm + optimizer), agree on control requests, emit the
-record. On any exception the process group is destroyed at once so peers blocked in a
-collective get an error now rather than after the collective timeout.
+Variable), process group, ``recipe.setup``, restore from the agreed checkpoint, then the step
+loop. Each step: planned faults, fetch the batch (data wait), ``recipe.step`` (compute + comm +
+optimizer), at agreed steps the control agreement, a checkpoint when due, emit the record.
+Stop, preempt and completion end with a checkpoint that the rank waits for. On any exception
+the process group is destroyed at once so peers blocked in a collective get an error now
+rather than after the collective timeout.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ from distributed import Variable, get_client, get_worker
 from distributed.comm import get_address_host
 
 from nbtrain.config import Settings
+from nbtrain.runtime.checkpointing import CheckpointPlan, RankCheckpointing
 from nbtrain.runtime.context import RankContext
 from nbtrain.runtime.control import ControlChannel
 from nbtrain.runtime.errors import RankFailure, looks_like_peer_failure
 from nbtrain.runtime.events import EventEmitter
+from nbtrain.runtime.faults import Fault, FaultInjector
 from nbtrain.runtime.recipe import Recipe
 
 
@@ -44,6 +48,9 @@ class RankLaunch:
     seed: int
     host_slots: int  # slots of this job's cluster on this rank's host, to size torch threads
     settings: Settings
+    checkpoint: CheckpointPlan | None = None
+    faults: tuple[Fault, ...] = ()
+    job_info: dict[str, Any] | None = None  # the job spec, recorded in checkpoint manifests
 
 
 def rendezvous_name(job_id: str, generation: int) -> str:
@@ -64,6 +71,7 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
                       generation=launch.generation, device=device, seed=launch.seed, host=host)
     recipe: Recipe | None = None
     control: ControlChannel | None = None
+    ckpt: RankCheckpointing | None = None
     store: dist.TCPStore | None = None
     try:
         t0 = time.perf_counter()
@@ -76,11 +84,36 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
         for obj in state.values():
             if isinstance(obj, torch.optim.Optimizer):
                 ctx.timer.attach_optimizer(obj)
+        skipped: list[tuple[int, str]] = []
+        if launch.checkpoint is not None:
+            ckpt = RankCheckpointing(
+                launch.checkpoint, rank=launch.rank, world_size=launch.world_size,
+                generation=launch.generation, job=launch.job_info or {}, state=state,
+                loader=ctx._loader,
+                on_event=lambda kind, info: emitter.emit("checkpoint", phase=kind, **info))
+            ctx.step, skipped = ckpt.restore()
         emitter.emit("rank_started", host=host, pid=os.getpid(), device=str(device),
-                     startup_s=time.perf_counter() - t0)
-        outcome = _step_loop(launch, recipe, ctx, control, emitter)
+                     startup_s=time.perf_counter() - t0, start_step=ctx.step,
+                     skipped=[f"step {s}: {why}" for s, why in skipped])
+        injector = FaultInjector(launch.job_id, launch.rank, list(launch.faults))
+        outcome = _step_loop(launch, recipe, ctx, control, emitter, ckpt, injector)
+        summary: dict[str, Any] = {"rank": launch.rank, "step": ctx.step, "outcome": outcome}
+        if ckpt is not None:
+            plan = ckpt.plan
+            if outcome == "preempted" or plan.policy.on_stop:
+                ckpt.save(ctx.step)
+            final = ckpt.finish(timeout=plan.commit_timeout_s)
+            summary["checkpoint_step"] = final.step if final else None
+            summary["checkpoint_committed"] = bool(final and final.committed)
+            summary["checkpoint_error"] = final.error if final else None
+            ckpt = None
+            if (outcome == "preempted" and launch.rank == 0
+                    and not summary["checkpoint_committed"]):
+                raise RuntimeError(
+                    f"preemption checkpoint at step {ctx.step} did not commit "
+                    f"({summary['checkpoint_error']}); the job keeps its previous checkpoint")
         emitter.emit("rank_finished", step=ctx.step, outcome=outcome)
-        return {"rank": launch.rank, "step": ctx.step, "outcome": outcome}
+        return summary
     except BaseException as exc:
         text = "".join(traceback.format_exception(exc))
         error = f"{type(exc).__name__}: {exc}"
@@ -93,6 +126,8 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
                          host=host)
         raise RankFailure(launch.rank, ctx.step, host, error, text, time.time(), peer) from None
     finally:
+        if ckpt is not None:
+            ckpt.abandon()
         if recipe is not None:
             with contextlib.suppress(Exception):
                 recipe.teardown(ctx)
@@ -105,36 +140,55 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
 
 
 def _step_loop(launch: RankLaunch, recipe: Recipe, ctx: RankContext, control: ControlChannel,
-               emitter: EventEmitter) -> str:
+               emitter: EventEmitter, ckpt: RankCheckpointing | None,
+               injector: FaultInjector) -> str:
     perf = time.perf_counter
     timer = ctx.timer
     interval_s = launch.settings.control_interval_s
     next_agreement = ctx.step + 1
     ema_step_s = 0.0
+    last_compute = 0.0
+    checkpoint_seq = 0
     while ctx.step < launch.steps:
+        for fault in injector.poll(ctx.step + 1):
+            emitter.emit("fault_injected", fault=fault.to_dict(), step=ctx.step,
+                         when=time.time())
+            injector.fire(fault)
         t0 = perf()
         timer.reset()
         batch = recipe.next_batch(ctx)
         t1 = perf()
+        if injector.slow_factor > 1.0:
+            injector.stretch(last_compute)  # inside the compute window: peers wait for us
         metrics = recipe.step(ctx, batch) or {}
         t2 = perf()
         ctx.step += 1
         requests = None
+        want_checkpoint = ckpt is not None and ckpt.deterministic_due(ctx.step)
         if ctx.step >= next_agreement:
             proposal = int(interval_s / ema_step_s) if ema_step_s > 0 else 1
-            requests, interval = control.agree(proposal)
+            due = ckpt is not None and ckpt.locally_due(ctx.step)
+            requests, interval = control.agree(proposal, due)
             next_agreement = ctx.step + interval
+            if requests["due"] or requests["checkpoint"] > checkpoint_seq:
+                want_checkpoint = True
+                checkpoint_seq = requests["checkpoint"]
+        ending = requests is not None and (requests["stop"] or requests["preempt"])
+        if want_checkpoint and ckpt is not None and not ending:
+            ckpt.save(ctx.step)
         t3 = perf()
         step_s = t3 - t0
         ema_step_s = step_s if ema_step_s == 0 else 0.9 * ema_step_s + 0.1 * step_s
         comm = timer.comm_s
         opt = timer.opt_s
         compute = max(0.0, (t2 - t1) - comm - opt)
+        last_compute = compute if injector.slow_factor <= 1.0 else last_compute
         row: list[Any] = [ctx.step, time.time(), step_s, t1 - t0, compute, comm, opt]
         if metrics:
             row.append({k: float(v) for k, v in metrics.items()})
         emitter.step(row)
-        if requests is not None and (requests["stop"] or requests["preempt"]):
+        if ending:
+            assert requests is not None
             return "preempted" if requests["preempt"] else "stopped"
     return "completed"
 

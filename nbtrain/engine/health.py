@@ -1,0 +1,51 @@
+"""Worker and host health: repeated-failure exclusion and hang diagnosis (engine side)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+#: Frames that mean "waiting for other ranks", not "stuck on my own".
+_WAITING_MARKERS = ("torch/distributed", "torch/autograd", "torch/nn/parallel",
+                    "nbtrain/runtime/control.py")
+
+
+class HostHealth:
+    """Hosts with ``limit`` failures within ``window_s`` are excluded for ``exclude_s``."""
+
+    def __init__(self, limit: int, window_s: float, exclude_s: float) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self.exclude_s = exclude_s
+        self._failures: dict[str, list[float]] = defaultdict(list)
+        self._until: dict[str, float] = {}
+
+    def record(self, host: str, now: float) -> None:
+        recent = [t for t in self._failures[host] if now - t < self.window_s] + [now]
+        self._failures[host] = recent
+        if len(recent) >= self.limit:
+            self._until[host] = now + self.exclude_s
+
+    def excluded(self, now: float) -> set[str]:
+        return {h for h, until in self._until.items() if until > now}
+
+
+def hung_ranks(keys: dict[int, Any], slots: list[str], stacks: dict[str, Any]) -> list[int]:
+    """Ranks whose running task is not inside a collective, from ``Client.call_stack``.
+
+    A rank blocked in an all-reduce waits for a peer; the peer stuck elsewhere is the one to
+    restart. Returns [] when no rank can be told apart (the caller restarts them all).
+    """
+    by_key: dict[str, list[str]] = {}
+    for per_worker in stacks.values():
+        for key, frames in (per_worker or {}).items():
+            by_key[str(key)] = [str(f) for f in frames]
+    culprits = []
+    for rank, key in keys.items():
+        frames = by_key.get(str(key))
+        if frames is None:
+            continue
+        text = "\n".join(frames)
+        if not any(marker in text for marker in _WAITING_MARKERS):
+            culprits.append(rank)
+    return culprits if len(culprits) < len(keys) else []

@@ -1,0 +1,127 @@
+"""Checkpoints inside the rank loop: what goes in, when, and restoring from one.
+
+A shard holds the recipe's state (``setup``'s return value, each object's ``state_dict()``)
+plus this rank's RNG states, the global data position and the step. The policy decides *when*;
+``every_steps`` is deterministic across ranks, while time-based and auto decisions are agreed
+at the control agreement (a MAX over ranks), so every rank checkpoints the same step.
+
+Restore: each rank loads the newest committed checkpoint it can verify at or before the step
+the engine names; the ranks then agree (MIN/MAX all-reduce) on one step, falling back together
+if one of them could not load the newest, so no rank resumes from a different step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nbtrain.core.checkpoint_policy import CheckpointPolicy, CheckpointPolicyConfig
+from nbtrain.runtime.async_ckpt import AsyncCheckpointer, SaveResult
+from nbtrain.runtime.loader import ShardedLoader
+from nbtrain.runtime.rng import capture_rng_state, restore_rng_state
+from nbtrain.runtime.snapshot import load_state
+from nbtrain.runtime.storage import CheckpointStore
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """Where this generation writes and reads checkpoints (decided by the engine)."""
+
+    url: str  # this job's own checkpoint directory
+    policy: CheckpointPolicyConfig
+    keep: int = 3
+    restore_url: str | None = None  # where to resume from (None: fresh start)
+    restore_at_or_before: int | None = None
+    commit_timeout_s: float = 300.0
+
+
+def _state_dicts(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in state.items()}
+
+
+class RankCheckpointing:
+    def __init__(self, plan: CheckpointPlan, *, rank: int, world_size: int, generation: int,
+                 job: dict[str, Any], state: dict[str, Any], loader: ShardedLoader | None,
+                 on_event: Callable[[str, dict[str, Any]], None]) -> None:
+        self.plan = plan
+        self.rank = rank
+        self.world_size = world_size
+        self.state = state
+        self.loader = loader
+        self.store = CheckpointStore(plan.url, keep=plan.keep)
+        self.policy = CheckpointPolicy(plan.policy, now=time.monotonic())
+        self.writer = AsyncCheckpointer(
+            self.store, rank=rank, world_size=world_size, attempt=f"g{generation}",
+            job=job, on_event=on_event, commit_timeout_s=plan.commit_timeout_s,
+        )
+        self.last_saved_step = -1
+
+    # -- restore ----------------------------------------------------------------------------
+    def restore(self) -> tuple[int, list[tuple[int, str]]]:
+        """Load the agreed newest committed checkpoint; returns (step, skipped) — step 0 when
+        starting fresh."""
+        if self.plan.restore_url is None:
+            return 0, []
+        source = CheckpointStore(self.plan.restore_url, keep=self.plan.keep)
+        at = self.plan.restore_at_or_before
+        skipped: list[tuple[int, str]] = []
+        while True:
+            result = source.restore_latest(self.rank, world_size=self.world_size,
+                                           verify_all=False, at_or_before=at)
+            if result is not None:
+                skipped.extend(result.skipped)
+            step = result.step if result is not None else 0
+            agreed = torch.tensor([step, -step], dtype=torch.int64)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            hi, lo = int(agreed[0]), -int(agreed[1])
+            if hi == lo:
+                break
+            at = lo  # someone could not load the newest: everyone falls back to its step
+            if lo == 0:
+                result, step = None, 0
+                break
+        if result is None or step == 0:
+            return 0, skipped
+        payload = result.payload
+        load_state(self.state, payload["state"])
+        meta = payload["meta"]
+        if self.loader is not None and "data" in meta:
+            self.loader.load_state_dict(meta["data"])
+        if "rng" in meta:
+            restore_rng_state(meta["rng"])
+        self.policy = CheckpointPolicy(self.plan.policy, now=time.monotonic(), step=step)
+        self.last_saved_step = step
+        return step, skipped
+
+    # -- save -------------------------------------------------------------------------------
+    def deterministic_due(self, step: int) -> bool:
+        n = self.plan.policy.every_steps
+        return n is not None and step % n == 0
+
+    def locally_due(self, step: int) -> bool:
+        """Time-based / auto decisions: contributed to the agreement, not acted on alone."""
+        return self.policy.due(step, time.monotonic())
+
+    def save(self, step: int) -> SaveResult | None:
+        if step == self.last_saved_step:
+            return None
+        meta: dict[str, Any] = {"rng": capture_rng_state(), "step": step}
+        if self.loader is not None:
+            meta["data"] = self.loader.state_dict()
+        result = self.writer.save(step, _state_dicts(self.state), meta,
+                                  manifest_metadata={"step": step})
+        self.policy.record(step, time.monotonic(), cost_s=result.stall_s)
+        self.last_saved_step = step
+        return result
+
+    def finish(self, timeout: float | None = None) -> SaveResult | None:
+        """Wait for the checkpoint in flight (persisted, and committed on the committer)."""
+        return self.writer.close(timeout)
+
+    def abandon(self) -> None:
+        self.writer.close(timeout=5.0, cancel=True)

@@ -1,0 +1,384 @@
+"""``job.dashboard()``: a live ipywidgets layout with Bokeh plots, or text lines when headless.
+
+The widget pulls what is new from the :class:`~nbtrain.engine.job.JobHandle` on the kernel's
+event loop a few times a second (:mod:`nbtrain.ui.poller`), never from Dask's or the
+controller's threads, and draws it in one batch per plot. Plot buffers roll over, so memory is
+bounded however long the job runs. Buttons call the handle's methods at once; the handle
+returns immediately and the controller does the work, so the kernel stays free.
+
+Controls appear as the handle grows them: Stop always; Preempt/Resume and Checkpoint now
+when the handle has ``preempt``/``resume``/``checkpoint``; the fault-injection panel when it
+has ``inject``; a resize slider when it has ``resize``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import ipywidgets as widgets
+
+from nbtrain.engine.job import JobHandle
+from nbtrain.ui.display import dashboard_hz, in_kernel, resolve_display
+from nbtrain.ui.eventlog import EventLog
+from nbtrain.ui.plots import PHASES, MetricPlot, PhaseSplitPlot, StepTimePlot, ThroughputPlot
+from nbtrain.ui.poller import Poller
+
+STATE_COLOURS = {"RUNNING": "#2a7", "SUCCEEDED": "#27a", "FAILED": "#c33", "QUEUED": "#a80",
+                 "STARTING": "#a80", "STOPPING": "#a80", "PREEMPTED": "#a50",
+                 "CANCELLED": "#666"}
+_LEVEL_COLOURS = {"error": "#c33", "warn": "#b70", "info": "#555"}
+FAULT_KINDS = ("kill", "raise", "hang", "slow")
+
+_bokehjs_loaded = False
+
+
+def ensure_bokehjs(force: bool = False) -> bool:
+    """Load BokehJS into the notebook page, inline, once per kernel (or again with ``force``).
+
+    The default loads it from a CDN, which fails on offline and air-gapped clusters and in
+    CI, leaving the widget at "Click to show javascript error". Only the core bundle is sent
+    (about 1.3 MB, not the 3.9 MB with widgets, tables, GL and MathJax the plots do not use).
+    Returns whether it published anything (False outside a kernel).
+    """
+    global _bokehjs_loaded
+    if (_bokehjs_loaded and not force) or not in_kernel():
+        return False
+    from bokeh.io import output_notebook
+    from bokeh.resources import Resources
+
+    output_notebook(resources=Resources(mode="inline", components=["bokeh"]), hide_banner=True)
+    _bokehjs_loaded = True
+    return True
+
+
+def job_dashboard(job: JobHandle, display: str | None = None, **options: Any) -> Any:
+    """The view ``job.dashboard(display=...)`` returns: :class:`JobDashboard` (a widget) or
+    :class:`TextProgress` (lines on stdout), chosen by :func:`~nbtrain.ui.display.resolve_display`.
+    ``options`` go to the chosen class."""
+    if resolve_display(display) == "text":
+        return TextProgress(job, **options)
+    ensure_bokehjs()
+    return JobDashboard(job, **options)
+
+
+class JobDashboard(widgets.VBox):
+    """Live view and controls of one job (an ``ipywidgets.VBox``: display it, or nest it).
+
+    ``rate_hz``: refreshes per second (default ``NBTRAIN_DASHBOARD_HZ`` or 4).
+    ``lines_max_ranks``: up to this many ranks the step time is one line per rank, above it a
+    rank x step heatmap. ``window_steps``: recent steps kept per rank in the step-time plot.
+    ``start=False`` leaves refreshing to explicit :meth:`refresh` calls (tests, scripts).
+    """
+
+    def __init__(self, job: JobHandle, *, rate_hz: float | None = None,
+                 lines_max_ranks: int = 8, window_steps: int = 600, max_points: int = 20_000,
+                 alerts_shown: int = 8, start: bool = True) -> None:
+        from bokeh.layouts import column, row
+        from jupyter_bokeh.widgets import BokehModel
+
+        self.job = job
+        self.eventlog = EventLog()
+        self.alerts_shown = alerts_shown
+        self._row_index = 0
+        self._event_index = 0
+        self._quiet_ticks = 0
+        self._last_goodput_poll = 0.0
+        self.rows_drawn = 0
+
+        world = job.spec.world_size
+        self.step_plot = StepTimePlot(world, lines_max_ranks=lines_max_ranks,
+                                      window_steps=window_steps, max_points=max_points)
+        self.split_plot = PhaseSplitPlot()
+        self.loss_plot = MetricPlot("loss", width=520)
+        self.rate_plot = ThroughputPlot(width=300)
+        self.plots = BokehModel(column(
+            row(self.step_plot.figure, self.split_plot.figure),
+            row(self.loss_plot.figure, self.rate_plot.figure),
+        ))
+
+        self.header = widgets.HTML()
+        self.phase = widgets.ToggleButtons(
+            options=[(label, key) for key, label in PHASES.items()], value="step_s",
+            description="phase", style={"button_width": "80px"})
+        self.phase.observe(lambda change: self.step_plot.set_phase(change["new"]), "value")
+        self.checkpoint_panel = widgets.HTML()
+        self.alerts_panel = widgets.HTML()
+        self.message = widgets.HTML()
+        self.buttons: dict[str, widgets.Button] = {}
+        controls = self._build_controls()
+        #: Room for the elastic resize slider and the shared-queue view as those land.
+        self.resize_box = widgets.HBox(self._build_resize())
+        self.extras = widgets.VBox()
+        self.fault_panel = self._build_fault_panel()
+
+        side = widgets.VBox([widgets.HTML("<b>Checkpoint</b>"), self.checkpoint_panel,
+                             widgets.HTML("<b>Alerts</b>"), self.alerts_panel],
+                            layout=widgets.Layout(width="330px", margin="0 0 0 8px"))
+        body = widgets.HBox([widgets.VBox([self.phase, self.plots]), side])
+        children: list[widgets.Widget] = [self.header, controls, self.resize_box, body]
+        if self.fault_panel is not None:
+            children.append(self.fault_panel)
+        children += [self.extras]
+        super().__init__(children=children)
+        self.add_class("nbtrain-dashboard")
+
+        self.poller = Poller(self.refresh, dashboard_hz(rate_hz),
+                             name=f"dashboard of {job.name}", on_error=self._show_error)
+        self.refresh()
+        if start:
+            self.poller.start()
+
+    # -- the tick ---------------------------------------------------------------------------
+    def refresh(self) -> bool:
+        """Pull what is new and draw it. Returns False once the job ended and everything is
+        drawn (the poller then stops)."""
+        job = self.job
+        done = job.done  # read first: rows added before the end are then certainly pulled
+        rows, self._row_index = job.rows_since(self._row_index)
+        events = job.events
+        new_events = events[self._event_index:]
+        self._event_index = len(events)
+        for event in new_events:
+            self.eventlog.add(event)
+        if rows:
+            self.step_plot.add(rows)
+            self.split_plot.add(rows)
+            self.loss_plot.add(rows)
+            self.rate_plot.add(rows)
+            self.rows_drawn += len(rows)
+        if new_events:
+            self.step_plot.mark_slow(set(self.eventlog.stragglers))
+            self.alerts_panel.value = self._alerts_html()
+        self._poll_goodput()
+        self.header.value = self._header_html()
+        self.checkpoint_panel.value = html.escape(self.eventlog.checkpoint.describe(time.time()))
+        self._update_controls()
+        if done and not rows and not new_events:
+            self._quiet_ticks += 1
+        else:
+            self._quiet_ticks = 0
+        # Stop after one quiet tick past the end: late rows from the event stream still land.
+        return self._quiet_ticks < 2
+
+    def close(self) -> None:
+        """Stop refreshing and close the widgets."""
+        poller = getattr(self, "poller", None)
+        if poller is not None:
+            poller.stop()
+        super().close()
+
+    # -- panels -----------------------------------------------------------------------------
+    def _header_html(self) -> str:
+        job = self.job
+        state = job.status.value
+        colour = STATE_COLOURS.get(state, "#666")
+        parts = [f"step {job.step}/{job.spec.steps}",
+                 f"generation {max(job.generation, 0)}",
+                 f"world size {len(job.slots) or job.spec.world_size}",
+                 f"restarts {self.eventlog.restarts}"]
+        if self.eventlog.goodput is not None:
+            parts.append(f"goodput {self.eventlog.goodput:.0%}")
+        if self.rate_plot.latest is not None and state == "RUNNING":
+            parts.append(f"{self.rate_plot.latest:.1f} steps/s")
+        return (f"<div class='nbtrain-header'><b>{html.escape(job.name)}</b> "
+                f"<span class='nbtrain-state' style='color:{colour};font-weight:bold'>"
+                f"{state}</span> · {' · '.join(parts)}<br>"
+                f"<i>{html.escape(job.reason)}</i></div>")
+
+    def _alerts_html(self) -> str:
+        alerts = self.eventlog.recent(self.alerts_shown)
+        if not alerts:
+            return "<i>none</i>"
+        lines = []
+        for alert in alerts:
+            stamp = time.strftime("%H:%M:%S", time.localtime(alert.time)) if alert.time else ""
+            lines.append(f"<div style='color:{_LEVEL_COLOURS.get(alert.level, '#555')}'>"
+                         f"{stamp} {html.escape(alert.text)}</div>")
+        return "<div style='font-size:90%;max-height:14em;overflow:auto'>" + "".join(lines) \
+            + "</div>"
+
+    def _poll_goodput(self) -> None:
+        """Ask the handle for its goodput (when it has the method) at most every 2 s."""
+        fn = getattr(self.job, "goodput", None)
+        now = time.monotonic()
+        if not callable(fn) or now - self._last_goodput_poll < 2.0:
+            return
+        self._last_goodput_poll = now
+        try:
+            value = fn()
+        except Exception:
+            return
+        fraction = (value.get("fraction") if isinstance(value, dict)
+                    else getattr(value, "fraction", value))
+        if isinstance(fraction, (int, float)):
+            self.eventlog.goodput = float(fraction)
+
+    def _show_error(self, exc: BaseException) -> None:
+        self.message.value = (f"<span style='color:#c33'>dashboard refresh failed: "
+                              f"{html.escape(type(exc).__name__)}: {html.escape(str(exc))}"
+                              f"</span>")
+
+    # -- controls ---------------------------------------------------------------------------
+    def _build_controls(self) -> widgets.HBox:
+        specs: list[tuple[str, str, str, Callable[[], Any] | None]] = [
+            ("preempt", "Preempt", "checkpoint, release the slots, wait for Resume",
+             getattr(self.job, "preempt", None)),
+            ("resume", "Resume", "queue the preempted job again", getattr(self.job, "resume",
+                                                                            None)),
+            ("checkpoint", "Checkpoint now", "take a checkpoint at the next step boundary",
+             getattr(self.job, "checkpoint", None)),
+            ("stop", "Stop", "end at the next step boundary and release the slots",
+             self.job.stop),
+        ]
+        for key, label, tip, method in specs:
+            if not callable(method):
+                continue
+            button = widgets.Button(description=label, tooltip=tip,
+                                    button_style="danger" if key == "stop" else "")
+            button.add_class(f"nbtrain-{key}")
+            button.on_click(lambda _b, k=key, m=method: self._act(k, m))
+            self.buttons[key] = button
+        return widgets.HBox([*self.buttons.values(), self.message])
+
+    def _act(self, what: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Run a control; the handle returns at once. Errors are shown, never raised into the
+        kernel's comm handler (where nobody would see them)."""
+        try:
+            method(*args, **kwargs)
+        except Exception as exc:
+            self.message.value = (f"<span style='color:#c33'>{html.escape(what)} failed: "
+                                  f"{html.escape(str(exc))}</span>")
+        else:
+            self.message.value = (f"<i>{html.escape(what)} requested at step "
+                                  f"{self.job.step}</i>")
+        self._update_controls()
+
+    def _update_controls(self) -> None:
+        state = self.job.status.value
+        terminal = self.job.status.terminal
+        holds = state in ("STARTING", "RUNNING")
+        wanted = {"stop": not terminal, "preempt": holds, "resume": state == "PREEMPTED",
+                  "checkpoint": state == "RUNNING", "inject": state == "RUNNING",
+                  "resize": not terminal}
+        for key, button in self.buttons.items():
+            disabled = not wanted.get(key, not terminal)
+            if button.disabled != disabled:
+                button.disabled = disabled
+
+    def _build_resize(self) -> list[widgets.Widget]:
+        resize = getattr(self.job, "resize", None)
+        if not callable(resize):
+            return []
+        spec = self.job.spec
+        low = spec.min_size or 1
+        slider = widgets.IntSlider(value=spec.world_size, min=low,
+                                   max=max(spec.world_size, low + 1), description="ranks")
+        button = widgets.Button(description="Resize", tooltip="resize the gang at the next "
+                                "step boundary (from the last checkpoint)")
+        button.add_class("nbtrain-resize")
+        button.on_click(lambda _b: self._act("resize", resize, slider.value))
+        self.buttons["resize"] = button
+        self.resize_slider = slider
+        return [slider, button]
+
+    def _build_fault_panel(self) -> widgets.Widget | None:
+        inject = getattr(self.job, "inject", None)
+        if not callable(inject):
+            return None
+        world = self.job.spec.world_size
+        kind = widgets.Dropdown(options=FAULT_KINDS, value="slow", description="fault")
+        rank = widgets.BoundedIntText(value=min(1, world - 1), min=0, max=world - 1,
+                                      description="rank")
+        factor = widgets.BoundedFloatText(value=3.0, min=1.0, max=100.0, step=0.5,
+                                          description="slow x")
+        button = widgets.Button(description="Inject", button_style="warning",
+                                tooltip="inject the fault at the next step (teaching)")
+        button.add_class("nbtrain-inject")
+
+        def fire(_b: widgets.Button) -> None:
+            self._act(f"inject {kind.value}", inject, kind.value, rank.value, step=None,
+                      factor=factor.value if kind.value == "slow" else None)
+
+        button.on_click(fire)
+        self.buttons["inject"] = button
+        self.fault_controls = {"kind": kind, "rank": rank, "factor": factor}
+        body = widgets.HBox([kind, rank, factor, button])
+        panel = widgets.Accordion(children=[body])
+        panel.set_title(0, "Fault injection (teaching): kill, raise, hang or slow a rank")
+        panel.selected_index = None
+        return panel
+
+
+class TextProgress:
+    """Headless view: a progress line every ``interval_s`` and a line per alert, until the
+    job ends, printed from a daemon thread so ``job.wait()`` in a script or a papermill cell
+    does not hold it up (only text is written from that thread; no widget is involved)."""
+
+    def __init__(self, job: JobHandle, *, interval_s: float | None = None,
+                 out: TextIO | None = None, start: bool = True) -> None:
+        from nbtrain.config import Settings
+
+        self.job = job
+        self.interval_s = (Settings.load().progress_interval_s if interval_s is None
+                           else float(interval_s))
+        if self.interval_s <= 0:
+            raise ValueError(f"interval_s must be positive, got {self.interval_s}")
+        self.out = out
+        self.eventlog = EventLog()
+        self.lines = 0
+        self._event_index = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"nbtrain-progress-{job.name}")
+        if start:
+            self._thread.start()
+
+    def _print(self, text: str) -> None:
+        print(text, file=self.out or sys.stdout, flush=True)
+        self.lines += 1
+
+    def _run(self) -> None:
+        from nbtrain.ui.text import progress_line
+
+        last = ""
+        while not self._stop.is_set():
+            done = self.job.done
+            self._print_alerts()
+            line = progress_line(self.job)
+            if line != last:
+                self._print(line)
+                last = line
+            if done:
+                break
+            with contextlib.suppress(TimeoutError):
+                self.job.wait(timeout=self.interval_s)
+        self._print_alerts()
+        ck = self.eventlog.checkpoint
+        if ck.committed_step is not None:
+            self._print(f"[{self.job.name}] checkpoint: {ck.describe(time.time())}")
+        self._print(f"[{self.job.name}] {self.job.status.value}: {self.job.reason}")
+
+    def _print_alerts(self) -> None:
+        events = self.job.events
+        for event in events[self._event_index:]:
+            alert = self.eventlog.add(event)
+            if alert is not None and alert.kind != "state":
+                self._print(f"[{self.job.name}] {alert.level}: {alert.text}")
+        self._event_index = len(events)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until the final lines are printed."""
+        self._thread.join(timeout)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def __repr__(self) -> str:
+        return (f"<nbtrain text progress of job {self.job.name}: a line every "
+                f"{self.interval_s:g} s until it ends>")

@@ -1,0 +1,241 @@
+"""Fold a job's non-step events into what the views show: checkpoint state, alerts, stragglers.
+
+One object, fed event by event, shared by the live widget, the text progress and the HTML
+report, so all three say the same thing. It does no I/O and reads no clock: ages are computed
+by the caller from the event times. Unknown event kinds are kept as plain alerts, so a view
+built before a feature landed still shows its events.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Events that happen on every normal start and end: counted, not shown as alerts.
+_QUIET_KINDS = frozenset({"rank_started", "rank_finished", "steps"})
+
+
+@dataclass
+class Alert:
+    """One line of the alerts panel."""
+
+    time: float
+    level: str  # "info" | "warn" | "error"
+    kind: str
+    text: str
+
+
+@dataclass
+class CheckpointState:
+    """The checkpoint panel: the last committed checkpoint and the one in flight, if any."""
+
+    committed_step: int | None = None
+    committed_at: float | None = None
+    bytes: int | None = None
+    blocking_ms: float | None = None
+    persist_ms: float | None = None
+    commits: int = 0
+    in_flight_step: int | None = None
+    in_flight_phase: str | None = None  # "snapshot" | "persisted"
+    last_error: str | None = None
+
+    def describe(self, now: float) -> str:
+        """A short plain-text summary (the HTML panel and the text mode use it)."""
+        if self.committed_step is None:
+            text = "no checkpoint committed yet"
+        else:
+            age = "" if self.committed_at is None else f", {format_age(now - self.committed_at)}"
+            size = "" if self.bytes is None else f", {format_bytes(self.bytes)}"
+            block = "" if self.blocking_ms is None else f", blocked {self.blocking_ms:.1f} ms"
+            text = f"last committed step {self.committed_step}{age}{size}{block}"
+        if self.in_flight_step is not None:
+            text += f"; in flight: step {self.in_flight_step} ({self.in_flight_phase})"
+        if self.last_error:
+            text += f"; last failure: {self.last_error}"
+        return text
+
+
+@dataclass
+class Straggler:
+    rank: int
+    phase: str
+    state: str  # "suspect" | "confirmed"
+    ratio: float
+    since_step: int | None
+    hint: str = ""
+
+
+@dataclass
+class EventLog:
+    """Everything the views derive from non-step events. Feed with :meth:`add`."""
+
+    max_alerts: int = 200
+    alerts: deque[Alert] = field(default_factory=deque)
+    checkpoint: CheckpointState = field(default_factory=CheckpointState)
+    stragglers: dict[int, Straggler] = field(default_factory=dict)
+    restarts: int = 0
+    failures: int = 0
+    resizes: int = 0
+    goodput: float | None = None
+    goodput_parts: dict[str, float] = field(default_factory=dict)
+    events_seen: int = 0
+
+    def add(self, event: dict[str, Any]) -> Alert | None:
+        """Fold one event in; return the alert it raised, if any."""
+        self.events_seen += 1
+        kind = str(event.get("kind", "?"))
+        when = float(event.get("time", 0.0) or 0.0)
+        handler = getattr(self, f"_on_{kind}", None)
+        if kind in _QUIET_KINDS:
+            return None
+        alert = handler(event, when) if handler is not None else self._generic(kind, event, when)
+        if alert is not None:
+            self.alerts.append(alert)
+            while len(self.alerts) > self.max_alerts:
+                self.alerts.popleft()
+        return alert
+
+    def recent(self, n: int) -> list[Alert]:
+        """The ``n`` newest alerts, newest first."""
+        return list(reversed(list(self.alerts)[-n:]))
+
+    # -- one method per event kind ----------------------------------------------------------
+    def _on_state(self, ev: dict[str, Any], when: float) -> Alert:
+        state = str(ev.get("state", "?"))
+        level = {"FAILED": "error", "PREEMPTED": "warn", "CANCELLED": "warn"}.get(state, "info")
+        return Alert(when, level, "state", f"{state}: {ev.get('reason', '')}")
+
+    def _on_rank_failed(self, ev: dict[str, Any], when: float) -> Alert:
+        self.failures += 1
+        rank = ev.get("rank", "?")
+        return Alert(when, "error", "rank_failed",
+                     f"rank {rank} failed at step {ev.get('step', '?')} "
+                     f"(generation {ev.get('gen', '?')}): {_first_line(ev.get('error'))}")
+
+    def _on_checkpoint(self, ev: dict[str, Any], when: float) -> Alert | None:
+        ck = self.checkpoint
+        phase = str(ev.get("phase", "?"))
+        step = _int_or_none(ev.get("step"))
+        if phase == "committed":
+            ck.committed_step = step
+            ck.committed_at = when
+            ck.commits += 1
+            ck.bytes = _int_or_none(ev.get("bytes")) if ev.get("bytes") is not None else ck.bytes
+            ck.blocking_ms = _float_or(ev.get("blocking_ms"), ck.blocking_ms)
+            ck.persist_ms = _float_or(ev.get("persist_ms"), ck.persist_ms)
+            if ck.in_flight_step is not None and (step is None or ck.in_flight_step <= step):
+                ck.in_flight_step = ck.in_flight_phase = None
+            return None
+        if phase == "failed":
+            ck.last_error = _first_line(ev.get("error")) or "unknown error"
+            if ck.in_flight_step == step:
+                ck.in_flight_step = ck.in_flight_phase = None
+            return Alert(when, "error", "checkpoint",
+                         f"checkpoint of step {step} failed: {ck.last_error}")
+        # snapshot / persisted: a checkpoint newer than the committed one is on its way
+        if step is not None and (ck.committed_step is None or step > ck.committed_step):
+            ck.in_flight_step = step
+            ck.in_flight_phase = phase
+            if ev.get("blocking_ms") is not None:
+                ck.blocking_ms = _float_or(ev.get("blocking_ms"), ck.blocking_ms)
+            if ev.get("bytes") is not None:
+                ck.bytes = _int_or_none(ev.get("bytes"))
+        return None
+
+    def _on_straggler(self, ev: dict[str, Any], when: float) -> Alert:
+        rank = int(ev.get("rank", -1))
+        state = str(ev.get("state", "suspect"))
+        phase = str(ev.get("phase", "step"))
+        ratio = float(ev.get("ratio", 0.0) or 0.0)
+        if state == "cleared":
+            self.stragglers.pop(rank, None)
+            return Alert(when, "info", "straggler", f"rank {rank} is no longer slow ({phase})")
+        since = _int_or_none(ev.get("since_step"))
+        hint = str(ev.get("hint", "") or "")
+        self.stragglers[rank] = Straggler(rank, phase, state, ratio, since, hint)
+        since_txt = "" if since is None else f" since step {since}"
+        hint_txt = f" — {hint}" if hint else ""
+        return Alert(when, "warn", "straggler",
+                     f"rank {rank} {state} straggler in {phase}: {ratio:.2f}x the median"
+                     f"{since_txt}{hint_txt}")
+
+    def _on_mitigation(self, ev: dict[str, Any], when: float) -> Alert:
+        return Alert(when, "warn", "mitigation",
+                     f"{ev.get('action', '?')} rank {ev.get('rank', '?')}: "
+                     f"{ev.get('reason', '')}")
+
+    def _on_fault(self, ev: dict[str, Any], when: float) -> Alert:
+        host = f" on {ev['host']}" if ev.get("host") else ""
+        detect = (f", detected in {float(ev['detect_s']):.1f} s"
+                  if ev.get("detect_s") is not None else "")
+        return Alert(when, "error", "fault",
+                     f"fault: {ev.get('what', '?')} rank {ev.get('rank', '?')}{host} at step "
+                     f"{ev.get('step', '?')}{detect}")
+
+    def _on_recovery(self, ev: dict[str, Any], when: float) -> Alert:
+        self.restarts += 1
+        rec = ev.get("recovery_s")
+        rec_txt = f" in {float(rec):.1f} s" if rec is not None else ""
+        lost = ev.get("lost_steps")
+        lost_txt = f", {lost} steps redone" if lost is not None else ""
+        return Alert(when, "info", "recovery",
+                     f"recovered: generation {ev.get('generation', '?')}{rec_txt}{lost_txt}")
+
+    def _on_resize(self, ev: dict[str, Any], when: float) -> Alert:
+        self.resizes += 1
+        old = ev.get("from", ev.get("old"))
+        new = ev.get("to", ev.get("new", ev.get("world_size")))
+        reason = f": {ev['reason']}" if ev.get("reason") else ""
+        return Alert(when, "info", "resize", f"resized {old} -> {new} ranks{reason}")
+
+    def _on_goodput(self, ev: dict[str, Any], when: float) -> None:
+        fraction = ev.get("fraction")
+        if fraction is not None:
+            self.goodput = float(fraction)
+        self.goodput_parts = {k: float(v) for k, v in ev.items()
+                              if k.endswith("_s") and isinstance(v, (int, float))}
+        return None
+
+    def _generic(self, kind: str, ev: dict[str, Any], when: float) -> Alert:
+        skip = {"kind", "time", "rank", "gen"}
+        detail = ", ".join(f"{k}={v}" for k, v in ev.items() if k not in skip)
+        rank = f"rank {ev['rank']}: " if "rank" in ev else ""
+        return Alert(when, "info", kind, f"{kind}: {rank}{detail}")
+
+
+def format_age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 90:
+        return f"{seconds:.0f} s ago"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min ago"
+    return f"{seconds / 3600:.1f} h ago"
+
+
+def format_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TB"  # pragma: no cover
+
+
+def _first_line(value: object) -> str:
+    text = "" if value is None else str(value)
+    return text.strip().splitlines()[0] if text.strip() else ""
+
+
+def _int_or_none(value: object) -> int | None:
+    try:
+        return None if value is None else int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return None
+
+
+def _float_or(value: object, default: float | None) -> float | None:
+    try:
+        return default if value is None else float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return default

@@ -1,0 +1,300 @@
+"""The Bokeh plots of a job: per-rank step time, phase split, loss and throughput.
+
+Each plot owns its ``ColumnDataSource`` and takes step rows in batches (``add(rows)``): one
+``stream`` (or one data replacement) per plot per call, with ``rollover`` so the plot's memory
+and the browser's work stay bounded however long the job runs. The live dashboard feeds them
+a few times a second; the HTML report feeds them the whole history once. Same code, same
+pictures.
+
+A step row is the JobHandle's tuple ``(generation, rank, step, time, step_s, data_s,
+compute_s, comm_s, opt_s, metrics)``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+from bokeh.models import ColumnDataSource, HoverTool, LinearColorMapper
+from bokeh.models.annotations import ColorBar
+from bokeh.palettes import Category10, Viridis256
+from bokeh.plotting import figure
+from bokeh.transform import transform
+
+Row = Sequence[Any]
+
+GEN, RANK, STEP, TIME, STEP_S, DATA_S, COMPUTE_S, COMM_S, OPT_S = range(9)
+METRICS = 9
+
+#: Phase columns and their labels in the phase selector. "total" is the whole step.
+PHASES: dict[str, str] = {"step_s": "total", "data_s": "data", "compute_s": "compute",
+                          "comm_s": "comm", "opt_s": "optimizer"}
+_PHASE_INDEX = {"step_s": STEP_S, "data_s": DATA_S, "compute_s": COMPUTE_S, "comm_s": COMM_S,
+                "opt_s": OPT_S}
+#: Stacked parts of the phase-split bars (what is not data/compute/comm/opt is "other").
+SPLIT_PARTS = ("data_s", "compute_s", "comm_s", "opt_s", "other_s")
+SPLIT_COLOURS = ("#8c6bb1", "#1f77b4", "#ff7f0e", "#2ca02c", "#bbbbbb")
+
+_TOOLS = "pan,box_zoom,wheel_zoom,reset,save"
+
+
+def _figure(title: str, width: int, height: int, **kwargs: Any) -> Any:
+    fig: Any = figure(title=title, width=width, height=height, tools=_TOOLS,
+                 toolbar_location="above", **kwargs)
+    fig.toolbar.autohide = True
+    fig.title.text_font_size = "11pt"
+    return fig
+
+
+def rank_colour(rank: int) -> str:
+    return str(Category10[10][rank % 10])
+
+
+class StepTimePlot:
+    """Per-rank step time: one line per rank for few ranks, a rank x step heatmap for many.
+
+    ``phase`` selects which column is drawn ("step_s" for the whole step, or one phase).
+    ``window_steps`` recent steps per rank are kept (heatmap: at most ``max_points`` cells).
+    """
+
+    def __init__(self, world_size: int, *, lines_max_ranks: int = 8, window_steps: int = 600,
+                 max_points: int = 20_000, width: int = 520, height: int = 260) -> None:
+        self.world_size = world_size
+        self.mode = "lines" if world_size <= lines_max_ranks else "heatmap"
+        self.phase = "step_s"
+        self.window_steps = window_steps
+        self.max_points = max_points
+        self.points_streamed = 0
+        self.figure = _figure("step time per rank (total)", width, height,
+                              x_axis_label="step", y_axis_label="seconds")
+        self.sources: dict[int, ColumnDataSource] = {}
+        self._renderers: dict[int, Any] = {}
+        self._slow: set[int] = set()
+        if self.mode == "heatmap":
+            self.figure.yaxis.axis_label = "rank"
+            self.mapper = LinearColorMapper(palette=Viridis256, low=0.0, high=1.0)
+            self.heat = ColumnDataSource(self._empty(), name="steptime-heatmap")
+            self._heat_renderer = self.figure.rect(
+                x="step", y="rank", width=1, height=1, source=self.heat, line_color=None,
+                fill_color=transform("step_s", self.mapper))
+            self.figure.add_layout(ColorBar(color_mapper=self.mapper, width=8,
+                                            title="s"), "right")
+            self.figure.add_tools(HoverTool(tooltips=[("rank", "@rank"), ("step", "@step"),
+                                                      ("seconds", "@step_s{0.0000}")]))
+            self._recent: deque[float] = deque(maxlen=max(1000, 50 * world_size))
+        else:
+            self.figure.add_tools(HoverTool(tooltips=[("rank", "$name"), ("step", "@step"),
+                                                      ("seconds", "$y{0.0000}")]))
+            for rank in range(world_size):
+                self._line_for(rank)
+            self.figure.legend.location = "top_right"
+            self.figure.legend.click_policy = "hide"
+            self.figure.legend.label_text_font_size = "8pt"
+            self.figure.legend.spacing = 0
+            self.figure.legend.padding = 2
+
+    @staticmethod
+    def _empty() -> dict[str, Any]:
+        return {"step": [], "rank": [], "generation": [], **{p: [] for p in PHASES}}
+
+    def _line_for(self, rank: int) -> ColumnDataSource:
+        src = self.sources.get(rank)
+        if src is None:
+            src = ColumnDataSource(self._empty(), name=f"steptime-r{rank}")
+            self.sources[rank] = src
+            self._renderers[rank] = self.figure.line(
+                x="step", y=self.phase, source=src, color=rank_colour(rank), line_width=1.5,
+                legend_label=f"rank {rank}", name=f"rank {rank}")
+        return src
+
+    def add(self, rows: Iterable[Row]) -> int:
+        """Stream ``rows`` in (one batch per source); return how many points were added."""
+        by_rank: dict[int, dict[str, Any]] = {}
+        for row in rows:
+            rank = int(row[RANK])
+            cols = by_rank.get(rank)
+            if cols is None:
+                cols = by_rank[rank] = self._empty()
+            cols["step"].append(int(row[STEP]))
+            cols["rank"].append(rank)
+            cols["generation"].append(int(row[GEN]))
+            for name, index in _PHASE_INDEX.items():
+                cols[name].append(float(row[index]))
+        added = sum(len(c["step"]) for c in by_rank.values())
+        if not added:
+            return 0
+        if self.mode == "heatmap":
+            merged = self._empty()
+            for cols in by_rank.values():
+                for key, values in cols.items():
+                    merged[key].extend(values)
+            self.heat.stream(merged, rollover=min(self.max_points,
+                                                  self.window_steps * self.world_size))
+            self._recent.extend(merged[self.phase])
+            self._rescale()
+        else:
+            for rank, cols in sorted(by_rank.items()):
+                self._line_for(rank).stream(cols, rollover=self.window_steps)
+        self.points_streamed += added
+        return added
+
+    def _rescale(self) -> None:
+        """Robust colour range (2nd-98th percentile) so one slow warm-up step does not wash
+        out the rest; moved only when it changed by more than 10%."""
+        if not self._recent:
+            return
+        low, high = (float(v) for v in np.percentile(np.fromiter(self._recent, float), [2, 98]))
+        if high <= low:
+            high = low + 1e-6
+        old_low, old_high = float(self.mapper.low or 0.0), float(self.mapper.high or 0.0)
+        span = max(old_high - old_low, 1e-9)
+        if abs(low - old_low) > 0.1 * span or abs(high - old_high) > 0.1 * span:
+            self.mapper.update(low=low, high=high)
+
+    def set_phase(self, phase: str) -> None:
+        if phase not in PHASES:
+            raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
+        if phase == self.phase:
+            return
+        self.phase = phase
+        self.figure.title.text = f"step time per rank ({PHASES[phase]})"
+        if self.mode == "heatmap":
+            self._heat_renderer.glyph.fill_color = transform(phase, self.mapper)
+            self._recent.clear()
+            values: Any = self.heat.data[phase]
+            self._recent.extend(float(v) for v in values)
+            self.mapper.update(low=0.0, high=1.0)
+            self._rescale()
+        else:
+            for renderer in self._renderers.values():
+                renderer.glyph.y = phase
+
+    def mark_slow(self, ranks: set[int]) -> None:
+        """Draw the lines of suspected/confirmed stragglers thicker (line mode)."""
+        if ranks == self._slow or self.mode != "lines":
+            self._slow = set(ranks)
+            return
+        for rank, renderer in self._renderers.items():
+            width = 4.0 if rank in ranks else 1.5
+            if renderer.glyph.line_width != width:
+                renderer.glyph.line_width = width
+        self._slow = set(ranks)
+
+    def point_count(self) -> int:
+        """Points currently held (after rollover)."""
+        if self.mode == "heatmap":
+            return len(self.heat.data["step"])
+        return sum(len(s.data["step"]) for s in self.sources.values())
+
+
+class PhaseSplitPlot:
+    """Mean time per phase for each rank over its last ``window`` steps, as stacked bars:
+    a slow rank's bar is taller, and its colours say where the time goes."""
+
+    def __init__(self, *, window: int = 50, width: int = 300, height: int = 260) -> None:
+        self.window = window
+        self._recent: dict[int, deque[tuple[float, ...]]] = {}
+        self.source = ColumnDataSource({"rank": [], **{p: [] for p in SPLIT_PARTS}},
+                                       name="phase-split")
+        self.figure = _figure(f"phase split (mean of last {window} steps)", width, height,
+                              x_axis_label="rank", y_axis_label="seconds")
+        self.figure.vbar_stack(list(SPLIT_PARTS), x="rank", width=0.8, source=self.source,
+                               color=list(SPLIT_COLOURS),
+                               legend_label=[p[:-2] for p in SPLIT_PARTS])
+        self.figure.legend.location = "top_left"
+        self.figure.legend.label_text_font_size = "8pt"
+        self.figure.legend.spacing = 0
+        self.figure.legend.padding = 2
+        self.figure.xaxis.ticker.desired_num_ticks = 8
+
+    def add(self, rows: Iterable[Row]) -> bool:
+        changed = False
+        for row in rows:
+            rank = int(row[RANK])
+            buf = self._recent.get(rank)
+            if buf is None:
+                buf = self._recent[rank] = deque(maxlen=self.window)
+            buf.append((float(row[STEP_S]), float(row[DATA_S]), float(row[COMPUTE_S]),
+                        float(row[COMM_S]), float(row[OPT_S])))
+            changed = True
+        if changed:
+            ranks = sorted(self._recent)
+            means = np.array([np.mean(np.array(self._recent[r]), axis=0) for r in ranks])
+            other = np.maximum(means[:, 0] - means[:, 1:].sum(axis=1), 0.0)
+            self.source.data = {
+                "rank": ranks, "data_s": means[:, 1].tolist(), "compute_s": means[:, 2].tolist(),
+                "comm_s": means[:, 3].tolist(), "opt_s": means[:, 4].tolist(),
+                "other_s": other.tolist(),
+            }
+        return changed
+
+
+class MetricPlot:
+    """One scalar from rank 0's metrics (e.g. the loss) against the step."""
+
+    def __init__(self, key: str, *, window: int = 2000, width: int = 420,
+                 height: int = 220) -> None:
+        self.key = key
+        self.window = window
+        self.source = ColumnDataSource({"step": [], "value": [], "generation": []},
+                                       name=f"metric-{key}")
+        self.figure = _figure(key, width, height, x_axis_label="step")
+        self.figure.line(x="step", y="value", source=self.source, color="#d62728",
+                         line_width=1.5)
+        self.figure.add_tools(HoverTool(tooltips=[("step", "@step"), (key, "@value{0.0000}")]))
+
+    def add(self, rows: Iterable[Row]) -> int:
+        cols: dict[str, Any] = {"step": [], "value": [], "generation": []}
+        for row in rows:
+            if int(row[RANK]) != 0 or len(row) <= METRICS or not isinstance(row[METRICS], dict):
+                continue
+            value = row[METRICS].get(self.key)
+            if value is None:
+                continue
+            cols["step"].append(int(row[STEP]))
+            cols["value"].append(float(value))
+            cols["generation"].append(int(row[GEN]))
+        if cols["step"]:
+            self.source.stream(cols, rollover=self.window)
+        return len(cols["step"])
+
+
+class ThroughputPlot:
+    """Rank 0's steps per second over a sliding window of ``span`` steps (rank 0 reports
+    every step, and all ranks of a gang step together)."""
+
+    def __init__(self, *, span: int = 20, window: int = 2000, width: int = 420,
+                 height: int = 220) -> None:
+        self.window = window
+        self._times: deque[float] = deque(maxlen=span)
+        self._gen: int | None = None
+        self.source = ColumnDataSource({"step": [], "steps_per_s": []}, name="throughput")
+        self.figure = _figure("throughput", width, height, x_axis_label="step",
+                              y_axis_label="steps/s")
+        self.figure.line(x="step", y="steps_per_s", source=self.source, color="#17becf",
+                         line_width=1.5)
+        self.figure.add_tools(HoverTool(tooltips=[("step", "@step"),
+                                                  ("steps/s", "@steps_per_s{0.0}")]))
+        self.latest: float | None = None
+
+    def add(self, rows: Iterable[Row]) -> int:
+        cols: dict[str, Any] = {"step": [], "steps_per_s": []}
+        for row in rows:
+            if int(row[RANK]) != 0:
+                continue
+            if self._gen != int(row[GEN]):  # a restart: do not count the gap as slowness
+                self._gen = int(row[GEN])
+                self._times.clear()
+            self._times.append(float(row[TIME]))
+            if len(self._times) >= 2:
+                span = self._times[-1] - self._times[0]
+                if span > 0:
+                    rate = (len(self._times) - 1) / span
+                    cols["step"].append(int(row[STEP]))
+                    cols["steps_per_s"].append(rate)
+                    self.latest = rate
+        if cols["step"]:
+            self.source.stream(cols, rollover=self.window)
+        return len(cols["step"])
