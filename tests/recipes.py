@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import nbtrain
+from nbtrain.runtime.loader import ShardedLoader
 
 
 def regression_data(n: int = 256, d: int = 8, seed: int = 1) -> TensorDataset:
@@ -67,3 +68,25 @@ class Regression(nbtrain.Recipe):
         if self.out_dir is not None:
             module = self.model.module if hasattr(self.model, "module") else self.model
             torch.save(module.state_dict(), Path(self.out_dir) / f"rank{ctx.rank}.pt")
+
+
+def single_process_params(steps: int, batch: int = 32, lr: float = 0.05) -> dict[str, torch.Tensor]:
+    """The same training as ``Regression`` on one process over the same global batches."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    loader = ShardedLoader(regression_data(), global_batch_size=batch, rank=0, world_size=1)
+    for _ in range(steps):
+        x, y = loader.next_batch()
+        loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.state_dict()
+
+
+def assert_params_equal(out_dir: str | Path, expected: dict[str, torch.Tensor],
+                        ranks: tuple[int, ...] = (0, 1)) -> None:
+    for rank in ranks:
+        got = torch.load(Path(out_dir) / f"rank{rank}.pt")
+        for name, value in expected.items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6)

@@ -7,28 +7,11 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-import torch.nn.functional as F
 
 import nbtrain
 from nbtrain import JobState
-from nbtrain.runtime.loader import ShardedLoader
 from tests.conftest import wait_for
-from tests.recipes import Regression, make_model, regression_data
-
-
-def _single_process_params(steps: int, batch: int, lr: float) -> dict[str, torch.Tensor]:
-    """The same training on one process over the same global batches."""
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    loader = ShardedLoader(regression_data(), global_batch_size=batch, rank=0, world_size=1)
-    for _ in range(steps):
-        x, y = loader.next_batch()
-        loss = F.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.state_dict()
+from tests.recipes import Regression, assert_params_equal, single_process_params
 
 
 def test_ddp_world_size_2_matches_single_process(free_cluster: nbtrain.Cluster,
@@ -36,11 +19,7 @@ def test_ddp_world_size_2_matches_single_process(free_cluster: nbtrain.Cluster,
     steps = 30  # > one epoch (256 samples / 32 per step = 8 steps): crosses epoch boundaries
     job = free_cluster.submit(Regression(out_dir=str(tmp_path)), world_size=2, steps=steps)
     assert job.wait(120) is JobState.SUCCEEDED, job.error
-    expected = _single_process_params(steps, batch=32, lr=0.05)
-    for rank in (0, 1):
-        got = torch.load(tmp_path / f"rank{rank}.pt")
-        for name, value in expected.items():
-            torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6)
+    assert_params_equal(tmp_path, single_process_params(steps))
     m = job.metrics
     assert sorted(m["rank"].unique()) == [0, 1]
     assert m.groupby("rank")["step"].max().tolist() == [steps, steps]

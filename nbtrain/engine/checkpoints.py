@@ -52,10 +52,10 @@ def resolve_resume(root: str, name: str, resume: str) -> tuple[str, int | None] 
     store = CheckpointStore(url)
     committed = store.committed()
     if not committed or (step is not None and step not in committed):
-        what = f"step {step}" if step is not None else "any committed checkpoint"
+        what = f"a committed step {step}" if step is not None else "a committed checkpoint"
         have = ", ".join(map(str, committed[:5])) or "none"
         raise ValueError(
-            f"resume={resume!r}: {url} holds no {what} (committed steps: {have}); "
+            f"resume={resume!r}: {url} does not hold {what} (committed steps: {have}); "
             "pass a checkpoint directory, one of its step-XXXXXXXX directories, or 'latest'"
         )
     return url, step

@@ -1,0 +1,90 @@
+"""Checkpoints, resume and preempt/resume on a real cluster with real gloo ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import nbtrain
+from nbtrain import JobState
+from tests.conftest import wait_for
+from tests.recipes import Regression, assert_params_equal, single_process_params
+
+
+def test_resume_continues_exactly(free_cluster: nbtrain.Cluster, tmp_path: Path) -> None:
+    """run N, stop, resume, run N == run 2N (float64, 1e-6): model, momentum, data position."""
+    n = 13  # not a multiple of the 8-step epoch: the data cursor sits mid-epoch
+    (tmp_path / "a").mkdir()
+    first = free_cluster.submit(Regression(out_dir=str(tmp_path / "a")), world_size=2,
+                                steps=n, name="resume-me", checkpoint=None)
+    assert first.wait(120) is JobState.SUCCEEDED, first.error
+    saved = first.checkpoints
+    assert [c["step"] for c in saved] == [n]  # the checkpoint taken at the end
+    (tmp_path / "b").mkdir()
+    second = free_cluster.submit(Regression(out_dir=str(tmp_path / "b")), world_size=2,
+                                 steps=2 * n, name="resume-me", resume="latest")
+    assert second.wait(120) is JobState.SUCCEEDED, second.error
+    started = [e for e in second.events if e["kind"] == "rank_started"]
+    assert {e["start_step"] for e in started} == {n}
+    assert second.metrics["step"].min() == n + 1  # no step was recomputed
+    assert_params_equal(tmp_path / "b", single_process_params(2 * n))
+
+
+def test_resume_from_explicit_step_url(free_cluster: nbtrain.Cluster, tmp_path: Path) -> None:
+    first = free_cluster.submit(Regression(), world_size=2, steps=12, name="explicit",
+                                checkpoint=4)
+    assert first.wait(120) is JobState.SUCCEEDED, first.error
+    steps = [c["step"] for c in first.checkpoints]
+    assert steps == [12, 8, 4][: len(steps)] and 12 in steps
+    url = next(c["url"] for c in first.checkpoints if c["step"] == 8)
+    (tmp_path / "out").mkdir()
+    again = free_cluster.submit(Regression(out_dir=str(tmp_path / "out")), world_size=2,
+                                steps=20, name="explicit-2", resume=url)
+    assert again.wait(120) is JobState.SUCCEEDED, again.error
+    assert again.metrics["step"].min() == 9
+    assert_params_equal(tmp_path / "out", single_process_params(20))
+
+
+def test_preempt_then_resume_matches_uninterrupted(free_cluster: nbtrain.Cluster,
+                                                   tmp_path: Path) -> None:
+    steps = 60
+    job = free_cluster.submit(Regression(out_dir=str(tmp_path), step_sleep=0.02),
+                              world_size=2, steps=steps, checkpoint=None)
+    wait_for(lambda: job.step >= 10, 120, "training progress")
+    job.preempt()
+    wait_for(lambda: job.status is JobState.PREEMPTED, 60, "PREEMPTED")
+    assert "checkpointed at step" in job.reason
+    at = int(job.reason.split("checkpointed at step ")[1].split()[0])
+    assert 10 <= at < steps
+    assert job.checkpoints[0]["step"] == at  # committed before the slots were released
+    wait_for(lambda: len(free_cluster.free_slots) == 2, 30, "slots released")
+    job.resume()
+    assert job.wait(180) is JobState.SUCCEEDED, job.error
+    assert job.generation == 1
+    resumed = [e for e in job.events if e["kind"] == "rank_started" and e["gen"] == 1]
+    assert {e["start_step"] for e in resumed} == {at}  # no committed step lost
+    assert_params_equal(tmp_path, single_process_params(steps))
+
+
+def test_checkpoint_now_and_events(free_cluster: nbtrain.Cluster) -> None:
+    job = free_cluster.submit(Regression(step_sleep=0.01), world_size=2, steps=1_000_000,
+                              checkpoint=None)
+    wait_for(lambda: job.step >= 5, 120, "training progress")
+    job.checkpoint()
+    wait_for(lambda: len(job.checkpoints) == 1, 60, "an on-demand checkpoint to commit")
+    events = [e for e in job.events if e["kind"] == "checkpoint"]
+    phases = {e["phase"] for e in events}
+    assert {"snapshot", "persisted", "committed"} <= phases
+    snap = next(e for e in events if e["phase"] == "snapshot")
+    assert snap["bytes"] > 0 and snap["blocking_ms"] >= 0
+    job.stop()
+    assert job.wait(60) is JobState.CANCELLED
+    assert len(job.checkpoints) == 2  # plus the one taken at stop
+
+
+def test_resume_with_nothing_to_resume_is_a_clear_error(free_cluster: nbtrain.Cluster,
+                                                        tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"does not hold a committed checkpoint \(committed "
+                                         r"steps: none\)"):
+        free_cluster.submit(Regression(), world_size=2, steps=5, resume=str(tmp_path))
