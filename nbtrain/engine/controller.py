@@ -547,6 +547,13 @@ class Controller:
         if host:
             self._health.record(str(host), now)
         job._fault_log.append(fault)
+        # A planned fault that this failure consumed must not fire again after the restart,
+        # even if its announcement was lost with the process.
+        if fault["rank"] is not None:
+            for planned in job._faults:
+                if (planned.rank == fault["rank"] and planned.kind != "slow"
+                        and (planned.step is None or planned.step <= int(fault["step"]) + 1)):
+                    job._fired.add(planned.id)
         job._add_event({"kind": "fault", **{k: v for k, v in fault.items()
                                             if k != "detected_mono"}})
         if primary is not None:

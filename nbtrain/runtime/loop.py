@@ -34,6 +34,9 @@ from nbtrain.runtime.events import EventEmitter
 from nbtrain.runtime.faults import Fault, FaultInjector
 from nbtrain.runtime.recipe import Recipe
 
+#: Seconds between announcing an injected kill and doing it.
+KILL_NOTICE_S = 0.2
+
 
 @dataclass(frozen=True)
 class RankLaunch:
@@ -151,8 +154,13 @@ def _step_loop(launch: RankLaunch, recipe: Recipe, ctx: RankContext, control: Co
     checkpoint_seq = 0
     while ctx.step < launch.steps:
         for fault in injector.poll(ctx.step + 1):
+            # A kill gives the event a moment to leave before the process dies; ``when`` is
+            # the moment of the kill, for the engine's detection latency.
+            delay = KILL_NOTICE_S if fault.kind == "kill" else 0.0
             emitter.emit("fault_injected", fault=fault.to_dict(), step=ctx.step,
-                         when=time.time())
+                         when=time.time() + delay)
+            if delay:
+                time.sleep(delay)
             injector.fire(fault)
         t0 = perf()
         timer.reset()
