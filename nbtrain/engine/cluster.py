@@ -17,6 +17,7 @@ from distributed import Client, LocalCluster
 
 from nbtrain.config import Settings
 from nbtrain.core.job import JobSpec
+from nbtrain.core.mitigation import MitigationSettings, make_policy
 from nbtrain.engine.checkpoints import job_url
 from nbtrain.engine.controller import Controller
 from nbtrain.engine.job import JobHandle
@@ -87,7 +88,8 @@ class Cluster:
                team: str = "default", checkpoint: int | str | None = "auto",
                resume: str | None = None, max_restarts: int = 3,
                restart_window_s: float = 3600.0,
-               faults: list[Fault] | None = None) -> JobHandle:
+               faults: list[Fault] | None = None,
+               stragglers: str | MitigationSettings = "alert") -> JobHandle:
         """Start ``recipe`` on ``world_size`` slots at once (gang), or queue it.
 
         Returns a :class:`JobHandle` immediately; training runs in the background.
@@ -99,6 +101,9 @@ class Cluster:
           or a checkpoint directory / ``step-XXXXXXXX`` URL.
         - ``max_restarts`` within ``restart_window_s``: automatic recoveries before FAILED.
         - ``faults``: planned faults (``nbtrain.Fault``) for teaching and tests.
+        - ``stragglers``: mitigation policy, ``"alert"`` (report only) or ``"replace"``
+          (restart the gang without a confirmed straggler's slot, with a cooldown), or a
+          ``nbtrain.core.mitigation.MitigationSettings`` for cooldowns and exclusion scope.
         """
         if self._closed:
             raise RuntimeError("this cluster is closed: call nbtrain.connect() again")
@@ -116,7 +121,10 @@ class Cluster:
                                    max_restarts=max_restarts, restart_window_s=restart_window_s)
         payload = _pickle_recipe(recipe)
         url = job_url(self.settings.checkpoint_root, spec.name, job_id)
-        job = JobHandle(spec, payload, self._controller, url, faults)
+        mitigation = (stragglers if isinstance(stragglers, MitigationSettings)
+                      else MitigationSettings(policy=stragglers))
+        make_policy(mitigation)  # unknown names fail here, not on the controller thread
+        job = JobHandle(spec, payload, self._controller, url, faults, mitigation)
         self._controller.submit(job)
         return job
 

@@ -25,11 +25,13 @@ from distributed import Client, Future, Variable
 from nbtrain.config import Settings
 from nbtrain.core.checkpoint_policy import parse_checkpoint_setting
 from nbtrain.core.job import JobState
+from nbtrain.core.mitigation import ActionKind, SlotInfo
 from nbtrain.engine.checkpoints import resolve_resume
 from nbtrain.engine.health import HostHealth, hung_ranks
 from nbtrain.engine.inventory import Slot, by_host, read_slots
 from nbtrain.engine.job import JobHandle
 from nbtrain.engine.placement import place_gang
+from nbtrain.engine.stragglers import mitigation_event
 from nbtrain.runtime.checkpointing import CheckpointPlan
 from nbtrain.runtime.control import control_name, empty_control
 from nbtrain.runtime.errors import RankFailure
@@ -206,9 +208,11 @@ class Controller:
         return by_host(free)
 
     def _place(self, job: JobHandle, free: dict[str, list[str]]) -> list[str] | None:
+        now = time.monotonic()
+        excluded = job._stragglers.excluded(now)
         return place_gang(free, job.spec.world_size, all_by_host=by_host(self._slots),
-                          avoid_hosts=self._health.excluded(time.monotonic()),
-                          avoid_slots=job._avoid_slots)
+                          avoid_hosts=self._health.excluded(now) | excluded,
+                          avoid_slots=job._avoid_slots | excluded)
 
     def _admit(self) -> None:
         """Start queued jobs in order while whole gangs fit. Strict order: a job that does
@@ -332,6 +336,9 @@ class Controller:
             if running:
                 job._checkpoint_seq += 1
                 self._set_control(job, checkpoint=job._checkpoint_seq)
+        elif what == "stragglers":
+            for event in job._stragglers.update(**arg):
+                job._add_event(event)
         elif what == "inject":
             fault: Fault = arg
             job._faults.append(fault)
@@ -371,6 +378,7 @@ class Controller:
                 for row in msg["rows"]:
                     job._ledger.step(int(row[0]), float(row[2]))
                     gen.step_times.append(float(row[2]))
+            self._watch_stragglers(job, gen, rank, msg["rows"])
             if not gen.running:
                 gen.running = True
                 job._ledger.enter("training", time.monotonic())
@@ -386,11 +394,38 @@ class Controller:
             elif phase == "snapshot" and msg.get("rank") == 0:
                 job._ledger.checkpoint_blocked(
                     (float(msg.get("blocking_ms", 0)) + float(msg.get("wait_ms", 0))) / 1e3)
+        elif kind == "rank_started" and current and msg.get("rank") == 0:
+            for event in job._stragglers.restart(job.spec.world_size, int(msg["start_step"])):
+                job._add_event(event)
         elif kind == "fault_injected" and current:
             assert gen is not None
             job._fired.add(str(msg["fault"]["id"]))
             gen.injected = msg
         job._add_event(dict(msg))
+
+    def _watch_stragglers(self, job: JobHandle, gen: Generation, rank: int,
+                          rows: list[Any]) -> None:
+        try:
+            events = job._stragglers.observe(rank, rows)
+        except ValueError:  # malformed timing (e.g. clock jumps): skip, never break the job
+            return
+        for event in events:
+            job._add_event(event)
+        if rank != 0 or job.status is not JobState.RUNNING:
+            return
+        placement = {r: SlotInfo(a, self._slots[a].host) for r, a in enumerate(gen.slots)
+                     if a in self._slots}
+        free = self._free_by_host()
+        spares = [SlotInfo(a, h) for h, addrs in free.items() for a in addrs]
+        for action in job._stragglers.decide(time.monotonic(), job.step, placement, spares):
+            job._add_event(mitigation_event(action))
+            if action.kind is ActionKind.REPLACE and action.slot is not None:
+                # Through the preemption path: checkpoint, end the generation, start again
+                # without the slow slot. No committed step is lost.
+                job._replace = {"slot": action.slot.slot, "reason": action.reason}
+                self._set_control(job, preempt=1)
+                job._set_state(JobState.STOPPING, f"replacing slow rank {action.rank}: "
+                                                  "checkpoint at the next step boundary")
 
     def _finish_recovery(self, job: JobHandle, gen: Generation, rows: list[Any]) -> None:
         fault = job._fault_log[-1] if job._fault_log else {}
@@ -526,7 +561,13 @@ class Controller:
         else:
             outcomes = {o.get("outcome") for o in gen.outcomes.values()}
             step = max(int(o.get("step", 0)) for o in gen.outcomes.values())
-            if "preempted" in outcomes:
+            if "preempted" in outcomes and job._replace is not None:
+                replace, job._replace = job._replace, None
+                job._avoid_slots = {replace["slot"]}
+                job._recovering = f"replacing a straggler ({replace['reason']})"
+                job._ledger.enter("recovery", now)
+                self._enqueue(job, f"{job._recovering}: waiting for slots", front=True)
+            elif "preempted" in outcomes:
                 job._ledger.enter("queued", now)
                 job._set_state(JobState.PREEMPTED,
                                f"checkpointed at step {step} and released its slots; "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -12,6 +13,9 @@ import pandas as pd
 
 from nbtrain.core.goodput import GoodputLedger
 from nbtrain.core.job import JobSpec, JobState
+from nbtrain.core.mitigation import MitigationSettings
+from nbtrain.core.straggler import StragglerSettings
+from nbtrain.engine.stragglers import StragglerWatch
 from nbtrain.runtime.events import STEP_COLUMNS
 from nbtrain.runtime.faults import Fault
 
@@ -27,7 +31,8 @@ class JobHandle:
     """Live view and controls of one job. State is written by the controller thread only."""
 
     def __init__(self, spec: JobSpec, recipe: bytes, controller: Controller,
-                 checkpoint_url: str, faults: list[Fault] | None = None) -> None:
+                 checkpoint_url: str, faults: list[Fault] | None = None,
+                 mitigation: MitigationSettings | None = None) -> None:
         self.spec = spec
         self._recipe = recipe
         self._controller = controller
@@ -58,6 +63,8 @@ class JobHandle:
         self._preempt_requested = False
         self._checkpoint_seq = 0
         self._ledger = GoodputLedger(time.monotonic())
+        self._stragglers = StragglerWatch(spec.world_size, mitigation=mitigation)
+        self._replace: dict[str, str] | None = None
 
     # -- identity -----------------------------------------------------------------------
     @property
@@ -195,6 +202,20 @@ class JobHandle:
         with self._lock:
             return [{k: v for k, v in f.items() if k != "detected_mono"}
                     for f in self._fault_log]
+
+    @property
+    def alerts(self) -> list[dict[str, Any]]:
+        """Straggler verdicts (suspect / confirmed / cleared, with rank, phase, ratio, since
+        and a hint) and the mitigation policy's actions, oldest first."""
+        return [e for e in self.events if e["kind"] in ("straggler", "mitigation")]
+
+    def tune_stragglers(self, **changes: Any) -> None:
+        """Change straggler-detector thresholds while the job runs (fields of
+        ``nbtrain.core.straggler.StragglerSettings``: ratio, window, suspect_votes, ...)."""
+
+
+        dataclasses.replace(StragglerSettings(), **changes)  # validate now, in the caller
+        self._controller.request(self, "stragglers", changes)
 
     @property
     def restarts(self) -> int:

@@ -1,0 +1,69 @@
+"""Live straggler handling for one job: feeds ``core.straggler`` and ``core.mitigation``.
+
+Runs on the controller thread. Step rows of the current generation go to the pure detector;
+its verdict changes become ``straggler`` events and the policy's actions ``mitigation``
+events. A ``replace`` action is carried out by the controller through the preemption path
+(checkpoint at the next boundary, then a new generation with the slow slot avoided), so a
+replacement loses no committed step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from nbtrain.core.mitigation import (
+    Action,
+    ActionKind,
+    MitigationContext,
+    MitigationSettings,
+    SlotInfo,
+    make_policy,
+)
+from nbtrain.core.records import StepRecord
+from nbtrain.core.straggler import StragglerDetector, StragglerSettings
+
+
+class StragglerWatch:
+    def __init__(self, world_size: int, policy: str = "alert",
+                 detector: StragglerSettings | None = None,
+                 mitigation: MitigationSettings | None = None) -> None:
+        mitigation = mitigation or MitigationSettings(policy=policy)
+        self.detector = StragglerDetector(world_size, detector)
+        self.policy = make_policy(mitigation)
+
+    def restart(self, world_size: int, start_step: int) -> list[dict[str, Any]]:
+        """A new generation: forget history; returns 'cleared' events for open verdicts."""
+        return [_straggler_event(d.to_event())
+                for d in self.detector.reset(world_size, start_step=start_step)]
+
+    def observe(self, rank: int, rows: Iterable[list[Any]]) -> list[dict[str, Any]]:
+        changes = self.detector.observe(StepRecord.from_row(rank, row) for row in rows)
+        return [_straggler_event(d.to_event()) for d in changes]
+
+    def decide(self, now: float, step: int, placement: dict[int, SlotInfo],
+               spares: list[SlotInfo]) -> list[Action]:
+        ctx = MitigationContext(now=now, step=step, placement=placement, spares=spares)
+        return self.policy.decide(self.detector.active(), ctx)
+
+    def excluded(self, now: float) -> set[str]:
+        return set(self.policy.excluded(now))
+
+    def update(self, **changes: Any) -> list[dict[str, Any]]:
+        """Change detector thresholds (``StragglerSettings`` fields) while the job runs."""
+        return [_straggler_event(d.to_event()) for d in self.detector.update_settings(**changes)]
+
+
+def _straggler_event(info: dict[str, Any]) -> dict[str, Any]:
+    info.pop("topic", None)
+    return {"kind": "straggler", **info}
+
+
+def mitigation_event(action: Action) -> dict[str, Any]:
+    info = action.to_event()
+    info.pop("topic", None)
+    info["action"] = info.pop("kind")
+    return {"kind": "mitigation", **info}
+
+
+__all__ = ["ActionKind", "StragglerWatch", "mitigation_event"]
