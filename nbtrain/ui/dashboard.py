@@ -94,9 +94,9 @@ class JobDashboard(widgets.VBox):
         world = job.spec.world_size
         self.step_plot = StepTimePlot(world, lines_max_ranks=lines_max_ranks,
                                       window_steps=window_steps, max_points=max_points)
-        self.split_plot = PhaseSplitPlot()
+        self.split_plot = PhaseSplitPlot(width=330)
         self.loss_plot = MetricPlot("loss", width=520)
-        self.rate_plot = ThroughputPlot(width=300)
+        self.rate_plot = ThroughputPlot(width=330)
         self.plots = BokehModel(column(
             row(self.step_plot.figure, self.split_plot.figure),
             row(self.loss_plot.figure, self.rate_plot.figure),
@@ -117,11 +117,11 @@ class JobDashboard(widgets.VBox):
         self.extras = widgets.VBox()
         self.fault_panel = self._build_fault_panel()
 
-        side = widgets.VBox([widgets.HTML("<b>Checkpoint</b>"), self.checkpoint_panel,
-                             widgets.HTML("<b>Alerts</b>"), self.alerts_panel],
-                            layout=widgets.Layout(width="330px", margin="0 0 0 8px"))
-        body = widgets.HBox([widgets.VBox([self.phase, self.plots]), side])
-        children: list[widgets.Widget] = [self.header, controls, self.resize_box, body]
+        self.checkpoint_panel.layout = widgets.Layout(width="38%", margin="0 12px 0 0")
+        self.alerts_panel.layout = widgets.Layout(width="60%")
+        panels = widgets.HBox([self.checkpoint_panel, self.alerts_panel])
+        children: list[widgets.Widget] = [self.header, controls, self.resize_box, panels,
+                                          self.phase, self.plots]
         if self.fault_panel is not None:
             children.append(self.fault_panel)
         children += [self.extras]
@@ -157,7 +157,8 @@ class JobDashboard(widgets.VBox):
             self.alerts_panel.value = self._alerts_html()
         self._poll_goodput()
         self.header.value = self._header_html()
-        self.checkpoint_panel.value = html.escape(self.eventlog.checkpoint.describe(time.time()))
+        self.checkpoint_panel.value = ("<b>Checkpoint</b><br>" + html.escape(
+            self.eventlog.checkpoint.describe(time.time())))
         self._update_controls()
         if done and not rows and not new_events:
             self._quiet_ticks += 1
@@ -178,10 +179,13 @@ class JobDashboard(widgets.VBox):
         job = self.job
         state = job.status.value
         colour = STATE_COLOURS.get(state, "#666")
+        restarts = getattr(job, "restarts", None)
+        if not isinstance(restarts, int):
+            restarts = self.eventlog.restarts
         parts = [f"step {job.step}/{job.spec.steps}",
                  f"generation {max(job.generation, 0)}",
                  f"world size {len(job.slots) or job.spec.world_size}",
-                 f"restarts {self.eventlog.restarts}"]
+                 f"restarts {restarts}"]
         if self.eventlog.goodput is not None:
             parts.append(f"goodput {self.eventlog.goodput:.0%}")
         if self.rate_plot.latest is not None and state == "RUNNING":
@@ -194,14 +198,15 @@ class JobDashboard(widgets.VBox):
     def _alerts_html(self) -> str:
         alerts = self.eventlog.recent(self.alerts_shown)
         if not alerts:
-            return "<i>none</i>"
+            return "<b>Alerts</b><br><i>none</i>"
         lines = []
         for alert in alerts:
-            stamp = time.strftime("%H:%M:%S", time.localtime(alert.time)) if alert.time else ""
+            stamp = (time.strftime("%H:%M:%S", time.localtime(alert.time))
+                     if alert.time is not None else "")
             lines.append(f"<div style='color:{_LEVEL_COLOURS.get(alert.level, '#555')}'>"
                          f"{stamp} {html.escape(alert.text)}</div>")
-        return "<div style='font-size:90%;max-height:14em;overflow:auto'>" + "".join(lines) \
-            + "</div>"
+        return ("<b>Alerts</b> (newest first)<div style='font-size:90%;max-height:7.5em;"
+                "overflow:auto;line-height:1.25'>" + "".join(lines) + "</div>")
 
     def _poll_goodput(self) -> None:
         """Ask the handle for its goodput (when it has the method) at most every 2 s."""
@@ -302,8 +307,11 @@ class JobDashboard(widgets.VBox):
         button.add_class("nbtrain-inject")
 
         def fire(_b: widgets.Button) -> None:
-            self._act(f"inject {kind.value}", inject, kind.value, rank.value, step=None,
-                      factor=factor.value if kind.value == "slow" else None)
+            options: dict[str, Any] = {"step": None}
+            if kind.value == "slow":
+                options["factor"] = factor.value
+            self._act(f"inject {kind.value} on rank {rank.value}", inject, kind.value,
+                      rank.value, **options)
 
         button.on_click(fire)
         self.buttons["inject"] = button

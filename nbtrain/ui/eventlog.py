@@ -20,7 +20,7 @@ _QUIET_KINDS = frozenset({"rank_started", "rank_finished", "steps"})
 class Alert:
     """One line of the alerts panel."""
 
-    time: float
+    time: float | None  # epoch seconds, None when the event carried no wall-clock time
     level: str  # "info" | "warn" | "error"
     kind: str
     text: str
@@ -85,7 +85,7 @@ class EventLog:
         """Fold one event in; return the alert it raised, if any."""
         self.events_seen += 1
         kind = str(event.get("kind", "?"))
-        when = float(event.get("time", 0.0) or 0.0)
+        when = event_time(event)
         handler = getattr(self, f"_on_{kind}", None)
         if kind in _QUIET_KINDS:
             return None
@@ -101,19 +101,19 @@ class EventLog:
         return list(reversed(list(self.alerts)[-n:]))
 
     # -- one method per event kind ----------------------------------------------------------
-    def _on_state(self, ev: dict[str, Any], when: float) -> Alert:
+    def _on_state(self, ev: dict[str, Any], when: float | None) -> Alert:
         state = str(ev.get("state", "?"))
         level = {"FAILED": "error", "PREEMPTED": "warn", "CANCELLED": "warn"}.get(state, "info")
         return Alert(when, level, "state", f"{state}: {ev.get('reason', '')}")
 
-    def _on_rank_failed(self, ev: dict[str, Any], when: float) -> Alert:
+    def _on_rank_failed(self, ev: dict[str, Any], when: float | None) -> Alert:
         self.failures += 1
         rank = ev.get("rank", "?")
         return Alert(when, "error", "rank_failed",
                      f"rank {rank} failed at step {ev.get('step', '?')} "
                      f"(generation {ev.get('gen', '?')}): {_first_line(ev.get('error'))}")
 
-    def _on_checkpoint(self, ev: dict[str, Any], when: float) -> Alert | None:
+    def _on_checkpoint(self, ev: dict[str, Any], when: float | None) -> Alert | None:
         ck = self.checkpoint
         phase = str(ev.get("phase", "?"))
         step = _int_or_none(ev.get("step"))
@@ -143,7 +143,7 @@ class EventLog:
                 ck.bytes = _int_or_none(ev.get("bytes"))
         return None
 
-    def _on_straggler(self, ev: dict[str, Any], when: float) -> Alert:
+    def _on_straggler(self, ev: dict[str, Any], when: float | None) -> Alert:
         rank = int(ev.get("rank", -1))
         state = str(ev.get("state", "suspect"))
         phase = str(ev.get("phase", "step"))
@@ -160,12 +160,14 @@ class EventLog:
                      f"rank {rank} {state} straggler in {phase}: {ratio:.2f}x the median"
                      f"{since_txt}{hint_txt}")
 
-    def _on_mitigation(self, ev: dict[str, Any], when: float) -> Alert:
+    def _on_mitigation(self, ev: dict[str, Any], when: float | None) -> Alert | None:
+        if ev.get("action") == "alert":
+            return None  # report-only policy: the straggler alert already says it
         return Alert(when, "warn", "mitigation",
                      f"{ev.get('action', '?')} rank {ev.get('rank', '?')}: "
                      f"{ev.get('reason', '')}")
 
-    def _on_fault(self, ev: dict[str, Any], when: float) -> Alert:
+    def _on_fault(self, ev: dict[str, Any], when: float | None) -> Alert:
         host = f" on {ev['host']}" if ev.get("host") else ""
         detect = (f", detected in {float(ev['detect_s']):.1f} s"
                   if ev.get("detect_s") is not None else "")
@@ -173,7 +175,7 @@ class EventLog:
                      f"fault: {ev.get('what', '?')} rank {ev.get('rank', '?')}{host} at step "
                      f"{ev.get('step', '?')}{detect}")
 
-    def _on_recovery(self, ev: dict[str, Any], when: float) -> Alert:
+    def _on_recovery(self, ev: dict[str, Any], when: float | None) -> Alert:
         self.restarts += 1
         rec = ev.get("recovery_s")
         rec_txt = f" in {float(rec):.1f} s" if rec is not None else ""
@@ -182,14 +184,14 @@ class EventLog:
         return Alert(when, "info", "recovery",
                      f"recovered: generation {ev.get('generation', '?')}{rec_txt}{lost_txt}")
 
-    def _on_resize(self, ev: dict[str, Any], when: float) -> Alert:
+    def _on_resize(self, ev: dict[str, Any], when: float | None) -> Alert:
         self.resizes += 1
         old = ev.get("from", ev.get("old"))
         new = ev.get("to", ev.get("new", ev.get("world_size")))
         reason = f": {ev['reason']}" if ev.get("reason") else ""
         return Alert(when, "info", "resize", f"resized {old} -> {new} ranks{reason}")
 
-    def _on_goodput(self, ev: dict[str, Any], when: float) -> None:
+    def _on_goodput(self, ev: dict[str, Any], when: float | None) -> None:
         fraction = ev.get("fraction")
         if fraction is not None:
             self.goodput = float(fraction)
@@ -197,11 +199,22 @@ class EventLog:
                               if k.endswith("_s") and isinstance(v, (int, float))}
         return None
 
-    def _generic(self, kind: str, ev: dict[str, Any], when: float) -> Alert:
+    def _generic(self, kind: str, ev: dict[str, Any], when: float | None) -> Alert:
         skip = {"kind", "time", "rank", "gen"}
         detail = ", ".join(f"{k}={v}" for k, v in ev.items() if k not in skip)
         rank = f"rank {ev['rank']}: " if "rank" in ev else ""
         return Alert(when, "info", kind, f"{kind}: {rank}{detail}")
+
+
+def event_time(event: dict[str, Any]) -> float | None:
+    """The event's wall-clock time (epoch seconds), or None. Some producers stamp events with
+    a monotonic clock; those values are not times of day and are not shown as such."""
+    value = event.get("time")
+    try:
+        when = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return when if when > 1e9 else None
 
 
 def format_age(seconds: float) -> str:

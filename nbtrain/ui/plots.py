@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
-from bokeh.models import ColumnDataSource, HoverTool, LinearColorMapper
+from bokeh.models import AdaptiveTicker, ColumnDataSource, HoverTool, LinearColorMapper
 from bokeh.models.annotations import ColorBar
 from bokeh.palettes import Category10, Viridis256
 from bokeh.plotting import figure
@@ -30,7 +30,7 @@ METRICS = 9
 
 #: Phase columns and their labels in the phase selector. "total" is the whole step.
 PHASES: dict[str, str] = {"step_s": "total", "data_s": "data", "compute_s": "compute",
-                          "comm_s": "comm", "opt_s": "optimizer"}
+                          "comm_s": "comm", "opt_s": "opt"}
 _PHASE_INDEX = {"step_s": STEP_S, "data_s": DATA_S, "compute_s": COMPUTE_S, "comm_s": COMM_S,
                 "opt_s": OPT_S}
 #: Stacked parts of the phase-split bars (what is not data/compute/comm/opt is "other").
@@ -46,6 +46,20 @@ def _figure(title: str, width: int, height: int, **kwargs: Any) -> Any:
     fig.toolbar.autohide = True
     fig.title.text_font_size = "11pt"
     return fig
+
+
+def _legend_below(fig: Any) -> None:
+    """A compact horizontal legend under the plot, where it never hides data."""
+    legend = fig.legend[0]
+    legend.orientation = "horizontal"
+    legend.label_text_font_size = "8pt"
+    legend.spacing = 4
+    legend.padding = 2
+    legend.margin = 2
+    legend.glyph_width = 14
+    legend.label_standoff = 3
+    fig.center = [r for r in fig.center if r is not legend]
+    fig.add_layout(legend, "below")
 
 
 def rank_colour(rank: int) -> str:
@@ -89,11 +103,8 @@ class StepTimePlot:
                                                       ("seconds", "$y{0.0000}")]))
             for rank in range(world_size):
                 self._line_for(rank)
-            self.figure.legend.location = "top_right"
+            _legend_below(self.figure)
             self.figure.legend.click_policy = "hide"
-            self.figure.legend.label_text_font_size = "8pt"
-            self.figure.legend.spacing = 0
-            self.figure.legend.padding = 2
 
     @staticmethod
     def _empty() -> dict[str, Any]:
@@ -203,11 +214,9 @@ class PhaseSplitPlot:
         self.figure.vbar_stack(list(SPLIT_PARTS), x="rank", width=0.8, source=self.source,
                                color=list(SPLIT_COLOURS),
                                legend_label=[p[:-2] for p in SPLIT_PARTS])
-        self.figure.legend.location = "top_left"
-        self.figure.legend.label_text_font_size = "8pt"
-        self.figure.legend.spacing = 0
-        self.figure.legend.padding = 2
-        self.figure.xaxis.ticker.desired_num_ticks = 8
+        _legend_below(self.figure)
+        self.figure.xaxis.ticker = AdaptiveTicker(min_interval=1, desired_num_ticks=8)
+        self.figure.xgrid.grid_line_color = None
 
     def add(self, rows: Iterable[Row]) -> bool:
         changed = False
