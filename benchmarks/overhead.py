@@ -31,7 +31,9 @@ def steady_rate(times: list[float]) -> float:
 def run_nbtrain(cluster: nbtrain.Cluster, steps: int, hidden: int, layers: int,
                 batch: int) -> float:
     recipe = DigitsMLP(hidden=hidden, layers=layers, batch_size=batch, eval_every=0)
-    job = cluster.submit(recipe, world_size=2, steps=steps, name="overhead")
+    # No checkpoints: the torchrun peer takes none either (checkpoint cost is measured by
+    # benchmarks/checkpoint.py).
+    job = cluster.submit(recipe, world_size=2, steps=steps, name="overhead", checkpoint=None)
     job.result(timeout=600)
     m = job.metrics
     return steady_rate(m[m["rank"] == 0].sort_values("step")["time"].tolist())
@@ -64,7 +66,9 @@ def main() -> None:
     shape = (args.hidden, args.layers, args.batch)
     ours: list[float] = []
     peer: list[float] = []
-    with nbtrain.connect(n_workers=2) as cluster:
+    tmp = tempfile.TemporaryDirectory(prefix="nbtrain-overhead-")
+    settings = nbtrain.Settings.load(checkpoint_root=tmp.name)
+    with tmp, nbtrain.connect(n_workers=2, settings=settings) as cluster:
         run_nbtrain(cluster, 30, *shape)  # warm the workers' imports once
         for i in range(rounds):
             # Alternate which goes first so drift in machine load hits both alike.

@@ -324,7 +324,11 @@ def live_trials(quick: bool) -> dict[str, Any]:
     rank_ok = phase_ok = 0
     latencies: list[int] = []
     rows: list[str] = []
-    with nbtrain.connect(n_workers=2) as cluster:
+    import tempfile
+
+    tmp = tempfile.TemporaryDirectory(prefix="nbtrain-straggler-bench-")
+    settings = nbtrain.Settings.load(checkpoint_root=tmp.name)
+    with tmp, nbtrain.connect(n_workers=2, settings=settings) as cluster:
         for i in range(trials):
             slow = rng.randrange(2)
             job = cluster.submit(
