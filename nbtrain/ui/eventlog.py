@@ -175,6 +175,16 @@ class EventLog:
                      f"fault: {ev.get('what', '?')} rank {ev.get('rank', '?')}{host} at step "
                      f"{ev.get('step', '?')}{detect}")
 
+    def _on_fault_injected(self, ev: dict[str, Any], when: float | None) -> Alert:
+        raw = ev.get("fault")
+        fault: dict[str, Any] = raw if isinstance(raw, dict) else {}
+        kind = fault.get("kind", "?")
+        slow = (f" x{float(fault['factor']):g}"
+                if kind == "slow" and fault.get("factor") is not None else "")
+        return Alert(when, "warn", "fault_injected",
+                     f"injected {kind}{slow} into rank {fault.get('rank', ev.get('rank', '?'))}"
+                     f" at step {ev.get('step', '?')}")
+
     def _on_recovery(self, ev: dict[str, Any], when: float | None) -> Alert:
         self.restarts += 1
         rec = ev.get("recovery_s")

@@ -1,0 +1,193 @@
+"""``cluster.dashboard()``: the cluster's slots by host, coloured by job and state, and the
+job queue with the reason each job waits.
+
+Same refresh model as the job dashboard (:mod:`nbtrain.ui.poller`): pulled on the kernel's
+event loop at a bounded rate, redrawn only when something changed. Slots are grouped by host
+and, where the inventory knows it (a ``domain`` or ``nvlink_domain`` attribute on the slot),
+by NVLink domain within the host.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+import ipywidgets as widgets
+
+from nbtrain.ui.display import dashboard_hz, resolve_display
+from nbtrain.ui.poller import Poller
+
+FREE_COLOUR = "#e8e8e8"
+RESTARTING_COLOUR = "#777777"
+_JOB_PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+                "#17becf", "#bcbd22", "#7f7f7f")
+#: How strongly a slot is filled by its job's state: solid while training, pale otherwise.
+_STATE_ALPHA = {"RUNNING": 0.95, "STARTING": 0.5, "STOPPING": 0.5}
+
+
+def cluster_dashboard(cluster: Any, display: str | None = None, **options: Any) -> Any:
+    """A live :class:`ClusterDashboard` widget, or a :class:`ClusterText` snapshot when the
+    display mode (see :func:`~nbtrain.ui.display.resolve_display`) is text."""
+    if resolve_display(display) == "text":
+        return ClusterText(cluster)
+    from nbtrain.ui.dashboard import ensure_bokehjs
+
+    ensure_bokehjs()
+    return ClusterDashboard(cluster, **options)
+
+
+def slot_rows(cluster: Any) -> tuple[dict[str, Any], list[Any]]:
+    """Plot columns for every slot, and the jobs, from one consistent controller snapshot."""
+    slots, owner, jobs = cluster._controller.snapshot()
+    by_id = {j.id: j for j in jobs}
+    colours = {j.id: _JOB_PALETTE[i % len(_JOB_PALETTE)] for i, j in enumerate(jobs)}
+    cols: dict[str, Any] = {k: [] for k in ("x", "group", "address", "host", "domain",
+                                                  "job", "state", "colour", "alpha", "label")}
+    groups: dict[tuple[str, str], int] = {}
+    for addr in sorted(slots, key=lambda a: (slots[a].host, _domain(slots[a]), a)):
+        slot = slots[addr]
+        domain = _domain(slot)
+        key = (str(slot.host), domain)
+        index = groups.get(key, 0)
+        groups[key] = index + 1
+        job_id = owner.get(addr)
+        job = by_id.get(job_id) if job_id else None
+        if job is not None:
+            state = job.status.value
+            name, colour, alpha = job.name, colours[job.id], _STATE_ALPHA.get(state, 0.3)
+        elif job_id:  # e.g. "(restarting)": held by the controller while a worker restarts
+            state, name, colour, alpha = "RESTARTING", job_id, RESTARTING_COLOUR, 0.8
+        else:
+            state, name, colour, alpha = "free", "free", FREE_COLOUR, 1.0
+        cols["x"].append(index)
+        cols["group"].append(_group_label(key))
+        cols["address"].append(addr)
+        cols["host"].append(key[0])
+        cols["domain"].append(domain)
+        cols["job"].append(name)
+        cols["state"].append(state)
+        cols["colour"].append(colour)
+        cols["alpha"].append(alpha)
+        cols["label"].append(name if len(name) <= 12 else name[:11] + "…")
+    return cols, jobs
+
+
+def _domain(slot: Any) -> str:
+    value = getattr(slot, "domain", None) or getattr(slot, "nvlink_domain", None)
+    return "" if value is None else str(value)
+
+
+def _group_label(key: tuple[str, str]) -> str:
+    host, domain = key
+    return f"{host} / {domain}" if domain else host
+
+
+def jobs_html(jobs: list[Any]) -> str:
+    if not jobs:
+        return "<i>no jobs submitted</i>"
+    head = ("<tr><th style='text-align:left'>job</th><th>state</th><th>step</th>"
+            "<th>ranks</th><th>priority</th><th>team</th>"
+            "<th style='text-align:left'>reason</th></tr>")
+    body = "".join(
+        f"<tr><td>{html.escape(j.name)}</td><td>{j.status.value}</td>"
+        f"<td>{j.step}/{j.spec.steps}</td><td>{j.spec.world_size}</td>"
+        f"<td>{j.spec.priority}</td><td>{html.escape(str(j.spec.team))}</td>"
+        f"<td style='text-align:left'>{html.escape(j.reason)}</td></tr>"
+        for j in jobs)
+    return f"<table class='nbtrain-jobs' style='font-size:90%'>{head}{body}</table>"
+
+
+class ClusterDashboard(widgets.VBox):
+    """Slots by host (and NVLink domain), coloured by the job holding them; the jobs below."""
+
+    def __init__(self, cluster: Any, *, rate_hz: float | None = None,
+                 start: bool = True) -> None:
+        from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Range1d
+        from bokeh.plotting import figure
+        from jupyter_bokeh.widgets import BokehModel
+
+        self.cluster = cluster
+        cols, jobs = slot_rows(cluster)
+        self.source = ColumnDataSource(cols, name="cluster-slots")
+        groups = sorted(set(cols["group"]))
+        width = max([4, *(x + 1 for x in cols["x"])])
+        self.figure: Any = figure(
+            title="slots by host", y_range=FactorRange(*groups), height=_height(len(groups)),
+            width=min(900, 140 + 90 * width), tools="", toolbar_location=None,
+            x_range=Range1d(start=-0.5, end=width - 0.5))
+        self.figure.rect(x="x", y="group", width=0.92, height=0.8, source=self.source,
+                         fill_color="colour", fill_alpha="alpha", line_color="#555")
+        self.figure.text(x="x", y="group", text="label", source=self.source,
+                         text_align="center", text_baseline="middle", text_font_size="8pt")
+        self.figure.add_tools(HoverTool(tooltips=[("slot", "@address"), ("host", "@host"),
+                                                  ("domain", "@domain"), ("job", "@job"),
+                                                  ("state", "@state")]))
+        self.figure.xaxis.visible = False
+        self.figure.xgrid.grid_line_color = None
+        self.figure.ygrid.grid_line_color = None
+        self.plot = BokehModel(self.figure)
+        self.header = widgets.HTML()
+        self.jobs = widgets.HTML()
+        self._last: tuple[Any, ...] = ()
+        super().__init__([self.header, self.plot, self.jobs])
+        self.add_class("nbtrain-cluster")
+        self.poller = Poller(self.refresh, dashboard_hz(rate_hz), name="cluster view")
+        self._draw(cols, jobs)
+        if start:
+            self.poller.start()
+
+    def refresh(self) -> bool:
+        """Redraw when slots, owners or jobs changed; False once the cluster is closed."""
+        cols, jobs = slot_rows(self.cluster)
+        self._draw(cols, jobs)
+        return not getattr(self.cluster, "_closed", False)
+
+    def _draw(self, cols: dict[str, Any], jobs: list[Any]) -> None:
+        key = (tuple(map(tuple, cols.values())),
+               tuple((j.id, j.status.value, j.step, j.reason) for j in jobs))
+        if key == self._last:
+            return
+        self._last = key
+        groups = sorted(set(cols["group"]))
+        if list(self.figure.y_range.factors) != groups:
+            self.figure.y_range.factors = groups
+            self.figure.height = _height(len(groups))
+        width = max([4, *(x + 1 for x in cols["x"])])
+        if self.figure.x_range.end != width - 0.5:
+            self.figure.x_range.end = width - 0.5
+        if dict(self.source.data) != cols:
+            self.source.data = cols
+        n_free = sum(1 for s in cols["state"] if s == "free")
+        self.header.value = (f"<b>nbtrain cluster</b>: {len(cols['x'])} slots on "
+                             f"{len({h for h in cols['host']})} hosts, {n_free} free, "
+                             f"{len(jobs)} jobs")
+        self.jobs.value = jobs_html(jobs)
+
+    def close(self) -> None:
+        poller = getattr(self, "poller", None)
+        if poller is not None:
+            poller.stop()
+        super().close()
+
+
+def _height(groups: int) -> int:
+    return 70 + 34 * max(groups, 1)
+
+
+class ClusterText:
+    """A plain-text snapshot of the cluster for headless runs (printed by its repr)."""
+
+    def __init__(self, cluster: Any) -> None:
+        self.cols, self.jobs = slot_rows(cluster)
+
+    def __repr__(self) -> str:
+        lines = []
+        groups: dict[str, list[str]] = {}
+        for group, job in zip(self.cols["group"], self.cols["job"], strict=True):
+            groups.setdefault(group, []).append(job)
+        for group, owners in groups.items():
+            lines.append(f"{group}: " + " | ".join(owners))
+        for j in self.jobs:
+            lines.append(f"job {j.name}: {j.status.value} step {j.step}/{j.spec.steps} "
+                         f"({j.spec.world_size} ranks): {j.reason}")
+        return "\n".join(lines) or "no slots"

@@ -1,0 +1,431 @@
+"""The live views without a browser: real jobs on the shared cluster, widgets on a recording
+comm (what the kernel would send to the browser), buttons pressed with the browser's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import comm
+import pytest
+from comm.base_comm import BaseComm
+
+import nbtrain
+from nbtrain import JobState
+from nbtrain.core.job import JobSpec
+from nbtrain.engine.job import JobHandle
+from nbtrain.examples import DigitsMLP
+from nbtrain.ui import display as display_mod
+from nbtrain.ui.cluster_view import ClusterDashboard, ClusterText
+from nbtrain.ui.dashboard import JobDashboard, TextProgress, job_dashboard
+from nbtrain.ui.eventlog import EventLog
+from nbtrain.ui.poller import MAX_CONSECUTIVE_ERRORS, Poller
+from nbtrain.ui.report import summary, thin_rows, write_report
+from nbtrain.ui.static import static_plots
+from tests.conftest import wait_for
+
+
+class RecordingComm(BaseComm):
+    """A comm that keeps what the kernel would publish (JSON-encoded, as on the wire)."""
+
+    sent: list[dict[str, Any]]
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.sent = []
+        super().__init__(**kwargs)
+
+    def publish_msg(self, msg_type: str, data: Any = None, metadata: Any = None,
+                    buffers: Any = None, **keys: Any) -> None:
+        self.sent.append({"msg_type": msg_type, "data": json.loads(json.dumps(data)),
+                          "buffers": len(buffers or [])})
+
+
+@pytest.fixture
+def comms(monkeypatch: pytest.MonkeyPatch) -> list[RecordingComm]:
+    made: list[RecordingComm] = []
+
+    def create(**kwargs: Any) -> RecordingComm:
+        c = RecordingComm(**kwargs)
+        made.append(c)
+        return c
+
+    monkeypatch.setattr(comm, "create_comm", create)
+    return made
+
+
+def click(button: Any) -> None:
+    """Press a widget button the way the browser does: a custom message on its comm."""
+    button.comm.handle_msg({"content": {"data": {"method": "custom",
+                                                 "content": {"event": "click"}}},
+                            "buffers": []})
+
+
+def patches(c: RecordingComm) -> int:
+    return sum(1 for m in c.sent if m["data"].get("content", {}).get("msg") == "patch"
+               or (m["data"].get("msg") == "patch"))
+
+
+def offline_handle(world_size: int, steps: int = 10_000) -> JobHandle:
+    """A real JobHandle with no controller, fed rows through the controller's own entry
+    point: for the bounded-memory checks, which need more steps than a test should train."""
+    spec = JobSpec(job_id="offline0", name="offline", world_size=world_size, steps=steps)
+    return JobHandle(spec, b"", None, "memory://offline")  # type: ignore[arg-type]
+
+
+def feed(job: JobHandle, world_size: int, first: int, n: int, t0: float = 1.7e9) -> None:
+    for rank in range(world_size):
+        rows = [[s, t0 + s * 0.01, 0.01 + rank * 1e-4, 1e-3, 6e-3, 2e-3, 1e-3,
+                 {"loss": 1.0 / (s + 1)}] for s in range(first, first + n)]
+        job._add_rows(0, rank, rows)
+
+
+# -- a real job, watched by the widget and the text view at once ----------------------------
+@pytest.fixture(scope="module")
+def watched(cluster: nbtrain.Cluster) -> Iterator[dict[str, Any]]:
+    wait_for(lambda: len(cluster.free_slots) == 2, 60, "free slots")
+    made: list[RecordingComm] = []
+    original = comm.create_comm
+    comm.create_comm = lambda **kw: made.append(RecordingComm(**kw)) or made[-1]
+    try:
+        job = cluster.submit(DigitsMLP(eval_every=10), world_size=2, steps=60, name="watched",
+                             checkpoint=None)
+        out = io.StringIO()
+        text = TextProgress(job, interval_s=0.2, out=out)
+        dash = JobDashboard(job, start=False, window_steps=1000)
+        ticks = [dash.refresh()]
+        while ticks[-1]:  # what the poller does, driven here so the test controls the pace
+            assert len(ticks) < 10_000, "the dashboard never reported the end"
+            job._done.wait(0.05)
+            ticks.append(dash.refresh())
+        text.join(30)
+        yield {"job": job, "dash": dash, "text": out.getvalue(), "comms": made,
+               "ticks": len(ticks)}
+    finally:
+        comm.create_comm = original
+    wait_for(lambda: len(cluster.free_slots) == 2, 60, "free slots after the watched job")
+
+
+def test_widget_draws_every_row_of_a_real_job(watched: dict[str, Any]) -> None:
+    job, dash = watched["job"], watched["dash"]
+    assert job.status is JobState.SUCCEEDED, job.error
+    rows, _ = job.rows_since(0)
+    assert dash.rows_drawn == len(rows) == 2 * 60
+    assert dash.step_plot.mode == "lines"
+    for rank in (0, 1):
+        assert list(dash.step_plot.sources[rank].data["step"]) == list(range(1, 61))
+    assert list(dash.loss_plot.source.data["step"]) == list(range(1, 61))
+    assert len(dash.rate_plot.source.data["step"]) == 59
+    assert list(dash.split_plot.source.data["rank"]) == [0, 1]
+    assert "SUCCEEDED" in dash.header.value and "step 60/60" in dash.header.value
+    # the plots reached the (recorded) wire as Bokeh document patches, in batches
+    bokeh_comm = dash.plots.comm
+    assert patches(bokeh_comm) > 0
+    assert all(b.disabled for b in dash.buttons.values())  # nothing to control any more
+
+
+def test_poller_stops_only_after_the_last_rows(watched: dict[str, Any]) -> None:
+    # the loop in the fixture ended because refresh() said so: after the end and with
+    # every row drawn (checked above), and within two quiet ticks of the end
+    assert watched["dash"].refresh() is False
+
+
+def test_text_progress_prints_lines_and_the_end(watched: dict[str, Any]) -> None:
+    text = watched["text"]
+    lines = text.strip().splitlines()
+    assert any("step" in line and "/60" in line for line in lines)
+    assert lines[-1].startswith("[watched] SUCCEEDED")
+
+
+def test_report_is_standalone_html_with_plots_and_summary(watched: dict[str, Any],
+                                                          tmp_path: Path) -> None:
+    job = watched["job"]
+    path = write_report(job, str(tmp_path / "report.html"))
+    page = Path(path).read_text()
+    assert "<title>nbtrain report: watched</title>" in page
+    assert "cdn.bokeh.org" not in page and "Bokeh" in page  # BokehJS inline
+    assert "steptime-r0" in page and "metric-loss" in page  # the dashboard's plots
+    assert "SUCCEEDED" in page and "final loss" in page and "median step ms" in page
+    assert "<svg" in page
+    table = summary(job)
+    assert dict(table.rows)["steps"] == "60 of 60"
+    assert [r["rank"] for r in table.per_rank] == [0, 1]
+
+
+def test_static_picture_is_valid_svg(watched: dict[str, Any], tmp_path: Path) -> None:
+    picture = static_plots(watched["job"])
+    root = ET.fromstring(picture._repr_svg_())
+    ns = "{http://www.w3.org/2000/svg}"
+    assert root.tag == f"{ns}svg"
+    lines = root.findall(f"{ns}polyline")
+    assert len(lines) == 4  # rank 0, rank 1, loss, throughput
+    picture.save(str(tmp_path / "plots.svg"))
+    assert (tmp_path / "plots.svg").read_text().startswith("<svg")
+
+
+# -- controls act on a running job ----------------------------------------------------------
+def test_controls_preempt_resume_checkpoint_stop(free_cluster: nbtrain.Cluster,
+                                                 comms: list[RecordingComm]) -> None:
+    job = free_cluster.submit(DigitsMLP(), world_size=2, steps=1_000_000, name="steered",
+                              checkpoint=None)
+    dash = JobDashboard(job, start=False)
+    try:
+        wait_for(lambda: dash.refresh() and job.step >= 5, 120, "training progress")
+        assert set(dash.buttons) >= {"stop", "preempt", "resume", "checkpoint", "inject"}
+        assert dash.buttons["resume"].disabled and not dash.buttons["preempt"].disabled
+
+        click(dash.buttons["checkpoint"])
+        wait_for(lambda: dash.refresh() and dash.eventlog.checkpoint.commits >= 1, 60,
+                 "the requested checkpoint to commit")
+        assert "last committed step" in dash.checkpoint_panel.value
+
+        click(dash.buttons["preempt"])
+        assert "preempt requested" in dash.message.value
+        wait_for(lambda: dash.refresh() and job.status is JobState.PREEMPTED, 60, "PREEMPTED")
+        assert "PREEMPTED" in dash.header.value
+        assert not dash.buttons["resume"].disabled and dash.buttons["preempt"].disabled
+        at = job.step
+
+        click(dash.buttons["resume"])
+        wait_for(lambda: dash.refresh() and job.status is JobState.RUNNING
+                 and job.step > at + 5, 120, "training again after Resume")
+        assert job.generation == 1
+
+        click(dash.buttons["stop"])
+        wait_for(lambda: (dash.refresh() or True) and job.done, 60, "the job to stop")
+        assert job.status is JobState.CANCELLED
+        while dash.refresh():
+            pass
+        assert "CANCELLED" in dash.header.value
+    finally:
+        job.stop()
+        job.wait(60)
+
+
+def test_fault_panel_calls_inject_with_the_chosen_fault(free_cluster: nbtrain.Cluster,
+                                                        comms: list[RecordingComm]) -> None:
+    job = free_cluster.submit(DigitsMLP(), world_size=2, steps=1_000_000, name="faulty",
+                              checkpoint=None)
+    calls: list[tuple[Any, ...]] = []
+    real_inject = job.inject
+
+    def spy(*args: Any, **kwargs: Any) -> Any:  # records, then does the real thing
+        calls.append((args, kwargs))
+        return real_inject(*args, **kwargs)
+
+    job.inject = spy  # type: ignore[method-assign]
+    dash = JobDashboard(job, start=False)
+    try:
+        wait_for(lambda: dash.refresh() and job.status is JobState.RUNNING, 120, "RUNNING")
+        assert dash.fault_panel is not None
+        dash.fault_controls["kind"].value = "slow"
+        dash.fault_controls["rank"].value = 1
+        dash.fault_controls["factor"].value = 2.5
+        click(dash.buttons["inject"])
+        assert calls == [(("slow", 1), {"step": None, "factor": 2.5})]
+        assert "inject slow on rank 1 requested" in dash.message.value
+        wait_for(lambda: dash.refresh() and "injected slow x2.5 into rank 1"
+                 in dash.alerts_panel.value, 60, "the injected slowdown in the alerts")
+    finally:
+        job.stop()
+        job.wait(60)
+
+
+def test_a_failing_control_is_shown_not_raised(comms: list[RecordingComm]) -> None:
+    job = offline_handle(2)
+    dash = JobDashboard(job, start=False)
+    # resume() on a job that is not PREEMPTED raises ValueError in the handle
+    dash._act("resume", job.resume)
+    assert "resume failed" in dash.message.value and "PREEMPTED" in dash.message.value
+
+
+# -- bounded memory, phase selector, heatmap ---------------------------------------------
+@pytest.mark.parametrize("world_size", [2, 16])
+def test_rollover_bounds_what_the_plots_hold(world_size: int,
+                                             comms: list[RecordingComm]) -> None:
+    job = offline_handle(world_size)
+    dash = JobDashboard(job, start=False, window_steps=50, max_points=400)
+    for first in range(0, 1000, 100):
+        feed(job, world_size, first, 100)
+        assert dash.refresh()
+    assert dash.rows_drawn == 1000 * world_size
+    if world_size == 2:
+        assert dash.step_plot.mode == "lines"
+        assert dash.step_plot.point_count() == 2 * 50
+        assert list(dash.step_plot.sources[1].data["step"]) == list(range(950, 1000))
+    else:
+        assert dash.step_plot.mode == "heatmap"
+        assert dash.step_plot.point_count() == 400
+    assert len(dash.loss_plot.source.data["step"]) <= dash.loss_plot.window
+
+
+def test_phase_selector_redraws_the_chosen_phase(comms: list[RecordingComm]) -> None:
+    job = offline_handle(2)
+    feed(job, 2, 0, 20)
+    dash = JobDashboard(job, start=False)
+    sent_before = patches(dash.plots.comm)
+    dash.phase.value = "comm_s"
+    assert all(r.glyph.y == "comm_s" for r in dash.step_plot._renderers.values())
+    assert "(comm)" in dash.step_plot.figure.title.text
+    assert patches(dash.plots.comm) > sent_before
+
+    heat = JobDashboard(offline_handle(16), start=False)
+    heat.phase.value = "compute_s"
+    assert heat.step_plot._heat_renderer.glyph.fill_color.field == "compute_s"
+
+
+def test_straggler_lines_are_drawn_thicker(comms: list[RecordingComm]) -> None:
+    job = offline_handle(2)
+    dash = JobDashboard(job, start=False)
+    job._add_event({"kind": "straggler", "rank": 1, "phase": "compute", "state": "confirmed",
+                    "ratio": 2.5, "since_step": 7, "hint": "thermal"})
+    dash.refresh()
+    widths = {r: line.glyph.line_width for r, line in dash.step_plot._renderers.items()}
+    assert widths[1] > widths[0]
+    assert "rank 1 confirmed straggler in compute: 2.50x" in dash.alerts_panel.value
+
+
+# -- the poller -------------------------------------------------------------------------------
+def test_poller_runs_on_the_loop_until_tick_says_done() -> None:
+    calls: list[int] = []
+
+    def tick() -> bool:
+        calls.append(1)
+        return len(calls) < 3
+
+    async def main() -> Poller:
+        poller = Poller(tick, hz=20.0)
+        assert poller.start()
+        while poller.running:
+            await asyncio.sleep(0.01)
+        return poller
+
+    poller = asyncio.run(main())
+    assert len(calls) == 3 and poller.ticks == 3 and not poller.running
+
+
+def test_poller_gives_up_after_repeated_errors_and_reports_them() -> None:
+    seen: list[BaseException] = []
+
+    def tick() -> bool:
+        raise RuntimeError("boom")
+
+    async def main() -> Poller:
+        poller = Poller(tick, hz=20.0, on_error=seen.append)
+        poller.start()
+        while poller.running:
+            await asyncio.sleep(0.01)
+        return poller
+
+    poller = asyncio.run(main())
+    assert len(seen) == MAX_CONSECUTIVE_ERRORS and str(poller.last_error) == "boom"
+
+
+def test_poller_without_a_loop_does_not_start() -> None:
+    assert Poller(lambda: True, hz=4.0).start() is False
+
+
+# -- display mode -----------------------------------------------------------------------------
+def test_display_mode_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NBTRAIN_DISPLAY", raising=False)
+    assert display_mod.resolve_display() == "text"  # not in a kernel
+    assert display_mod.resolve_display("widget") == "widget"
+    monkeypatch.setenv("NBTRAIN_DISPLAY", "widget")
+    assert display_mod.resolve_display("auto") == "widget"
+    assert display_mod.resolve_display("text") == "text"  # an explicit argument wins
+    monkeypatch.setenv("NBTRAIN_DISPLAY", "txt")
+    with pytest.raises(ValueError, match=r"NBTRAIN_DISPLAY.*auto, widget, text"):
+        display_mod.resolve_display()
+    with pytest.raises(ValueError, match="one of auto, widget, text"):
+        display_mod.resolve_display("html")
+
+
+def test_refresh_rate_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NBTRAIN_DASHBOARD_HZ", raising=False)
+    assert display_mod.dashboard_hz() == display_mod.DEFAULT_HZ
+    monkeypatch.setenv("NBTRAIN_DASHBOARD_HZ", "8")
+    assert display_mod.dashboard_hz() == 8.0
+    assert display_mod.dashboard_hz(2) == 2.0
+    with pytest.raises(ValueError, match=r"use 0\.2 to 20"):
+        display_mod.dashboard_hz(100)
+
+
+def test_job_dashboard_text_mode_returns_text_progress(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NBTRAIN_DISPLAY", "text")
+    job = offline_handle(2)
+    view = job_dashboard(job, start=False)
+    assert isinstance(view, TextProgress)
+    assert "text progress of job offline" in repr(view)
+
+
+# -- event folding ----------------------------------------------------------------------------
+def test_eventlog_folds_checkpoints_stragglers_and_unknown_kinds() -> None:
+    log = EventLog()
+    t = 1.7e9
+    log.add({"kind": "checkpoint", "phase": "snapshot", "step": 10, "bytes": 2048,
+             "blocking_ms": 3.0, "time": t})
+    assert log.checkpoint.in_flight_step == 10 and log.checkpoint.committed_step is None
+    log.add({"kind": "checkpoint", "phase": "committed", "step": 10, "time": t + 1})
+    ck = log.checkpoint
+    assert (ck.committed_step, ck.in_flight_step, ck.commits, ck.bytes) == (10, None, 1, 2048)
+    assert ck.describe(t + 31) == ("last committed step 10, 30 s ago, 2.0 KB, "
+                                   "blocked 3.0 ms")
+    log.add({"kind": "straggler", "rank": 3, "phase": "comm", "state": "suspect",
+             "ratio": 1.8, "since_step": 5, "time": t})
+    assert set(log.stragglers) == {3}
+    log.add({"kind": "straggler", "rank": 3, "phase": "comm", "state": "cleared", "time": t})
+    assert log.stragglers == {}
+    assert log.add({"kind": "mitigation", "action": "alert", "rank": 3, "time": 123.0}) is None
+    odd = log.add({"kind": "resize_planned", "rank": 1, "to": 4, "time": 55.5})
+    assert odd is not None and odd.time is None  # a monotonic stamp is not a time of day
+    assert "resize_planned" in odd.text and "to=4" in odd.text
+    assert log.add({"kind": "rank_started", "rank": 0}) is None
+    log.add({"kind": "recovery", "generation": 2, "recovery_s": 4.5, "lost_steps": 3})
+    assert log.restarts == 1
+    assert log.recent(1)[0].text == "recovered: generation 2 in 4.5 s, 3 steps redone"
+
+
+def test_thin_rows_keeps_the_same_steps_on_every_rank() -> None:
+    rows = [(0, r, s, 0.0, 0.1, 0, 0, 0, 0, {}) for s in range(1, 1001) for r in range(2)]
+    kept = thin_rows(rows, 100)
+    per_rank = {r: [row[2] for row in kept if row[1] == r] for r in (0, 1)}
+    assert per_rank[0] == per_rank[1]
+    assert len(per_rank[0]) <= 101 and per_rank[0][-1] == 1000
+
+
+# -- cluster view -----------------------------------------------------------------------------
+def test_cluster_view_shows_slots_by_job_and_why_jobs_wait(free_cluster: nbtrain.Cluster,
+                                                           comms: list[RecordingComm]) -> None:
+    running = free_cluster.submit(DigitsMLP(), world_size=2, steps=1_000_000, name="holder",
+                                  checkpoint=None)
+    waiting = free_cluster.submit(DigitsMLP(), world_size=2, steps=10, name="waiter",
+                                  checkpoint=None)
+    view = ClusterDashboard(free_cluster, start=False)
+    try:
+        wait_for(lambda: view.refresh() and running.status is JobState.RUNNING, 120, "RUNNING")
+        view.refresh()
+        data = view.source.data
+        assert list(data["job"]) == ["holder", "holder"]
+        assert set(data["state"]) == {"RUNNING"}
+        assert "waiter" in view.jobs.value and html_escape(waiting.reason) in view.jobs.value
+        assert "0 free" in view.header.value
+        text = repr(ClusterText(free_cluster))
+        assert "holder | holder" in text and "job waiter: QUEUED" in text
+    finally:
+        running.stop()
+        waiting.stop()
+        running.wait(60)
+        waiting.wait(60)
+    wait_for(lambda: view.refresh() and set(view.source.data["state"]) == {"free"}, 60,
+             "slots shown free")
+
+
+def html_escape(text: str) -> str:
+    import html
+
+    return html.escape(text)
