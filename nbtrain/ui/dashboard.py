@@ -157,8 +157,9 @@ class JobDashboard(widgets.VBox):
             self.alerts_panel.value = self._alerts_html()
         self._poll_goodput()
         self.header.value = self._header_html()
-        self.checkpoint_panel.value = ("<b>Checkpoint</b><br>" + html.escape(
-            self.eventlog.checkpoint.describe(time.time())))
+        self.checkpoint_panel.value = (
+            "<b>Checkpoint</b><div style='font-size:90%;line-height:1.25'>"
+            + html.escape(self.eventlog.checkpoint.describe(time.time())) + "</div>")
         self._update_controls()
         if done and not rows and not new_events:
             self._quiet_ticks += 1

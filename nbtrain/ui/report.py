@@ -43,7 +43,7 @@ th { background: #f3f3f3; } td.l, th.l { text-align: left; }
 """
 
 
-@dataclass
+@dataclass(repr=False)
 class Summary:
     """Key figures of a job; displays as an HTML table in notebooks."""
 
@@ -68,6 +68,8 @@ class Summary:
     def __str__(self) -> str:
         width = max(len(k) for k, _ in self.rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in self.rows)
+
+    __repr__ = __str__
 
 
 def summary(job: Any) -> Summary:

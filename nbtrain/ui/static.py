@@ -25,7 +25,7 @@ _W, _H = 340, 250  # one panel
 _PAD_L, _PAD_R, _PAD_T, _PAD_B = 52, 10, 26, 66
 
 
-@dataclass
+@dataclass(repr=False)
 class StaticPlots:
     """An SVG picture; Jupyter shows it as an image (``image/svg+xml``)."""
 
@@ -33,6 +33,9 @@ class StaticPlots:
 
     def _repr_svg_(self) -> str:
         return self.svg
+
+    def __repr__(self) -> str:
+        return f"<nbtrain static plots: SVG, {len(self.svg)} characters>"
 
     def save(self, path: str) -> str:
         with open(path, "w", encoding="utf-8") as f:
