@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 
 import nbtrain
@@ -18,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=300, help="training steps (300)")
     parser.add_argument("--progress-interval", type=float, default=1.0,
                         help="seconds between progress lines (1.0)")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="keep checkpoints here (default: a temporary directory)")
     args = parser.parse_args(argv)
     world = args.world_size or args.workers
     if args.workers < 1 or world < 1 or args.steps < 1:
@@ -25,7 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"nbtrain demo: starting a local cluster with {args.workers} worker processes ...",
           flush=True)
     t0 = time.perf_counter()
-    with nbtrain.connect(n_workers=args.workers) as cluster:
+    tmp = tempfile.TemporaryDirectory(prefix="nbtrain-demo-")
+    settings = nbtrain.Settings.load(checkpoint_root=args.checkpoint_dir or tmp.name)
+    with tmp, nbtrain.connect(n_workers=args.workers, settings=settings) as cluster:
         print(f"cluster up in {time.perf_counter() - t0:.1f} s: {len(cluster.slots)} slots",
               flush=True)
         job = cluster.submit(DigitsMLP(), world_size=world, steps=args.steps, name="digits")
