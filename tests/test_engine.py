@@ -125,3 +125,17 @@ def test_gang_never_starts_partially_and_fail_fast() -> None:
         c.scale(4)
         assert job.wait(180) is JobState.SUCCEEDED, job.error
         assert sorted(job.metrics["rank"].unique()) == [0, 1, 2, 3]
+
+
+def test_step_records_are_batched_per_rank() -> None:
+    """Rows travel in batches: with a long flush interval and batches of 10, 35 steps make
+    exactly 4 messages per rank (3 full, 1 flushed at the end)."""
+    settings = nbtrain.Settings.load(event_flush_s=1000.0, event_batch_max=10)
+    with nbtrain.connect(n_workers=2, settings=settings) as c:
+        job = c.submit(Regression(), world_size=2, steps=35, checkpoint=None)
+        assert job.wait(120) is JobState.SUCCEEDED, job.error
+        events = c.client.get_events(f"nbtrain-{job.id}")
+        batches = [msg for _, msg in events if msg.get("kind") == "steps"]
+        per_rank = {r: [len(m["rows"]) for m in batches if m["rank"] == r] for r in (0, 1)}
+        assert per_rank == {0: [10, 10, 10, 5], 1: [10, 10, 10, 5]}
+        assert len(job.metrics) == 70
