@@ -3,8 +3,9 @@
 Starts JupyterLab on 127.0.0.1 (a free port, a token, a temporary root), opens a notebook,
 runs it cell by cell, and checks what a user sees: the Bokeh canvas inside the widget, the
 step-time plot's data advancing in the browser, a second cell answering while training runs,
-and Preempt / Resume acting on the job. Screenshots go to ``artifacts/``; with
-``NBTRAIN_README_SCREENSHOT=1`` the dashboard's picture also goes to ``docs/dashboard.png``.
+Preempt / Resume acting on the job, and the cluster view drawing its slots. Screenshots go to
+``artifacts/``; with ``NBTRAIN_README_SCREENSHOT=1`` the dashboard's picture also goes to
+``docs/dashboard.png``.
 
 Skips when Chromium is missing, unless ``CI`` is set: there a missing browser is a failure.
 """
@@ -16,6 +17,7 @@ import os
 import secrets
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -42,7 +44,9 @@ CELLS = [
     "job = cluster.submit(DigitsMLP(), world_size=2, steps=1_000_000, name='browser',\n"
     "                     checkpoint=200)\n"
     "job.dashboard(display='widget')",
-    "print('second cell ran at step', job.step)",
+    "import time\nprint('second cell ran at step', job.step if 'job' in globals() else None,\n"
+    "      'at', repr(time.time()))",
+    "cluster.dashboard()",
     "job.stop(); job.wait(120); cluster.close(); print('closed', job.status.value)",
 ]
 
@@ -181,8 +185,24 @@ def _drive(page: Any, lab: dict[str, Any]) -> None:
         cells.nth(i).locator(".jp-OutputArea-output", has_text=text).wait_for(
             timeout=timeout_s * 1000)
 
+    kernel_side: list[float] = []
+
+    def timed_second_cell() -> float:
+        """Seconds from asking JupyterLab to run the cell to seeing its output; notes when
+        the kernel ran it (same machine, same wall clock)."""
+        page.evaluate("() => { const w = window.jupyterapp.shell.currentWidget;"
+                      " w.content.widgets[2].model.outputs.clear(); }")
+        started = time.time()
+        run(2)
+        output(2, "second cell ran at step", 60)
+        seen = time.time()
+        text = cells.nth(2).locator(".jp-OutputArea-output").inner_text()
+        kernel_side.append(float(text.split(" at ")[-1]) - started)
+        return seen - started
+
     run(0)
     output(0, "cluster ready", 180)
+    baseline = timed_second_cell()  # the same cell with nothing training, for comparison
 
     run(1)
     dash = page.locator(".nbtrain-dashboard")
@@ -201,14 +221,17 @@ def _drive(page: Any, lab: dict[str, Any]) -> None:
     page.wait_for_function(f"() => ({LAST_STEP_JS})() > {first + 20}", timeout=60_000)
 
     # a second cell runs at once although the job trains and the dashboard refreshes
-    started = time.monotonic()
-    run(2)
-    output(2, "second cell ran at step", 60)
-    latency = time.monotonic() - started
-    print(f"second cell latency in the browser: {latency:.3f} s")
-    (ARTIFACTS / "browser-latency.json").write_text(json.dumps({"second_cell_s": latency}))
+    runs = [timed_second_cell() for _ in range(3)]
+    latency = statistics.median(runs)
+    print(f"second cell latency in the browser while training: median {latency:.3f} s of "
+          f"{', '.join(f'{r:.3f}' for r in runs)} (the kernel started it after "
+          f"{', '.join(f'{k:.3f}' for k in kernel_side[1:])} s); {baseline:.3f} s before "
+          f"the job")
+    (ARTIFACTS / "browser-latency.json").write_text(json.dumps(
+        {"second_cell_s": runs, "kernel_started_after_s": kernel_side[1:],
+         "idle_baseline_s": baseline}))
     # The issue asks for under a second; the margin absorbs a loaded 2-core CI machine.
-    assert latency < 5.0, f"a cell took {latency:.2f} s to run while training"
+    assert latency < 5.0, f"a cell took {latency:.2f} s (median of 3) to run while training"
 
     dash.screenshot(path=str(ARTIFACTS / "dashboard-running.png"))
 
@@ -231,6 +254,14 @@ def _drive(page: Any, lab: dict[str, Any]) -> None:
         README_SHOT.parent.mkdir(exist_ok=True)
         dash.screenshot(path=str(README_SHOT))
 
+    # the cluster view: both slots drawn, held by the job
     run(3)
-    output(3, "closed CANCELLED", 180)
+    view = page.locator(".nbtrain-cluster")
+    view.locator("canvas").first.wait_for(timeout=60_000)
+    expect(view.locator(".nbtrain-jobs")).to_contain_text("browser")
+    expect(view).to_contain_text("0 free")
+    view.screenshot(path=str(ARTIFACTS / "cluster-view.png"))
+
+    run(4)
+    output(4, "closed CANCELLED", 180)
     _wait_text(state, "CANCELLED", 30)

@@ -42,7 +42,8 @@ def slot_rows(cluster: Any) -> tuple[dict[str, Any], list[Any]]:
     by_id = {j.id: j for j in jobs}
     colours = {j.id: _JOB_PALETTE[i % len(_JOB_PALETTE)] for i, j in enumerate(jobs)}
     cols: dict[str, Any] = {k: [] for k in ("x", "group", "address", "host", "domain",
-                                                  "job", "state", "colour", "alpha", "label")}
+                                                  "job", "state", "colour", "alpha", "label",
+                                                  "text_colour")}
     groups: dict[tuple[str, str], int] = {}
     for addr in sorted(slots, key=lambda a: (slots[a].host, _domain(slots[a]), a)):
         slot = slots[addr]
@@ -69,6 +70,7 @@ def slot_rows(cluster: Any) -> tuple[dict[str, Any], list[Any]]:
         cols["colour"].append(colour)
         cols["alpha"].append(alpha)
         cols["label"].append(name if len(name) <= 12 else name[:11] + "…")
+        cols["text_colour"].append("white" if job is not None and alpha > 0.9 else "#222")
     return cols, jobs
 
 
@@ -118,7 +120,8 @@ class ClusterDashboard(widgets.VBox):
         self.figure.rect(x="x", y="group", width=0.92, height=0.8, source=self.source,
                          fill_color="colour", fill_alpha="alpha", line_color="#555")
         self.figure.text(x="x", y="group", text="label", source=self.source,
-                         text_align="center", text_baseline="middle", text_font_size="8pt")
+                         text_align="center", text_baseline="middle", text_font_size="8pt",
+                         text_color="text_colour")
         self.figure.add_tools(HoverTool(tooltips=[("slot", "@address"), ("host", "@host"),
                                                   ("domain", "@domain"), ("job", "@job"),
                                                   ("state", "@state")]))
@@ -158,9 +161,10 @@ class ClusterDashboard(widgets.VBox):
         if dict(self.source.data) != cols:
             self.source.data = cols
         n_free = sum(1 for s in cols["state"] if s == "free")
-        self.header.value = (f"<b>nbtrain cluster</b>: {len(cols['x'])} slots on "
-                             f"{len({h for h in cols['host']})} hosts, {n_free} free, "
-                             f"{len(jobs)} jobs")
+        hosts = len(set(cols["host"]))
+        self.header.value = (f"<b>nbtrain cluster</b>: {_count(len(cols['x']), 'slot')} on "
+                             f"{_count(hosts, 'host')}, {n_free} free, "
+                             f"{_count(len(jobs), 'job')}")
         self.jobs.value = jobs_html(jobs)
 
     def close(self) -> None:
@@ -168,6 +172,10 @@ class ClusterDashboard(widgets.VBox):
         if poller is not None:
             poller.stop()
         super().close()
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _height(groups: int) -> int:
