@@ -326,6 +326,26 @@ def test_poller_gives_up_after_repeated_errors_and_reports_them() -> None:
     assert len(seen) == MAX_CONSECUTIVE_ERRORS and str(poller.last_error) == "boom"
 
 
+def test_dashboard_poller_stops_itself_after_drawing_the_end(
+        comms: list[RecordingComm]) -> None:
+    """On a running loop (as in the kernel) the dashboard refreshes by itself, draws the rows
+    that arrived last, and stops once the job has ended."""
+    job = offline_handle(2)
+
+    async def main() -> JobDashboard:
+        dash = JobDashboard(job, rate_hz=20.0)
+        assert dash.poller.running
+        feed(job, 2, 1, 30)
+        job._set_state(JobState.SUCCEEDED, "completed 30 steps")  # as the controller does
+        while dash.poller.running:
+            await asyncio.sleep(0.01)
+        return dash
+
+    dash = asyncio.run(main())
+    assert dash.rows_drawn == 60 and dash.step_plot.point_count() == 60
+    assert "SUCCEEDED" in dash.header.value and dash.poller.ticks >= 3
+
+
 def test_poller_without_a_loop_does_not_start() -> None:
     assert Poller(lambda: True, hz=4.0).start() is False
 
