@@ -76,11 +76,12 @@ class Cluster:
                                "deployment tools")
         self._local.scale(n)
 
-    def dashboard(self) -> Any:
-        """Slots grouped by host, coloured by job and state, and the job queue (live)."""
+    def dashboard(self, display: str | None = None, **options: Any) -> Any:
+        """Slots grouped by host, coloured by job and state, and the job queue (live);
+        a text snapshot when ``display="text"`` (or NBTRAIN_DISPLAY=text)."""
         from nbtrain.ui.cluster_view import cluster_dashboard
 
-        return cluster_dashboard(self)
+        return cluster_dashboard(self, display=display, **options)
 
     # -- jobs -----------------------------------------------------------------------------
     def submit(self, recipe: Recipe, *, world_size: int, steps: int, name: str | None = None,

@@ -244,15 +244,16 @@ class JobHandle:
         return self
 
     # -- views ----------------------------------------------------------------------------
-    def dashboard(self, display: str | None = None) -> Any:
+    def dashboard(self, display: str | None = None, **options: Any) -> Any:
         """A live dashboard: a widget in JupyterLab, or text progress when headless.
 
         ``display`` is "auto" (default; env NBTRAIN_DISPLAY overrides), "widget" or "text".
+        ``options`` tune the view (``rate_hz``, ``lines_max_ranks``, ``window_steps``).
         Returns at once; the view updates on the kernel's event loop.
         """
         from nbtrain.ui.dashboard import job_dashboard
 
-        return job_dashboard(self, display=display)
+        return job_dashboard(self, display=display, **options)
 
     def report(self, path: str) -> str:
         """Write a standalone HTML report (plots and summary) to ``path``; returns the path."""

@@ -63,6 +63,10 @@ def mitigation_event(action: Action) -> dict[str, Any]:
     info = action.to_event()
     info.pop("topic", None)
     info["action"] = info.pop("kind")
+    # The policy's clock is the controller's monotonic one; events carry wall-clock "time".
+    info["policy_time"] = info.pop("time")
+    if info.get("exclude_until") is not None:
+        info["exclude_for_s"] = info.pop("exclude_until") - info["policy_time"]
     return {"kind": "mitigation", **info}
 
 
