@@ -1,0 +1,297 @@
+"""Kill one rank's worker mid-run: how fast is training back, nbtrain vs torchrun?
+
+The job: ``DigitsMLP`` (hidden 256, 2 layers, global batch 128), world size 2, a checkpoint
+every ``--ckpt-every`` steps; rank 1's worker process is SIGKILLed at the start of step
+``--kill-step``. Measured from the kill's wall time to the next completed step (rank 0's step
+row in the next generation / attempt), on the same clock, in the same run:
+
+- **nbtrain, warm spare**: ``connect(n_workers=3)``, a planned ``Fault("kill", rank=1, step=K)``.
+  The survivor keeps its process; the new rank 1 goes to the spare slot. Before the round every
+  worker imports torch/nbtrain (``client.run``; what ``--preload`` does for a long-lived Dask
+  worker), so the spare is warm.
+- **nbtrain, cold spare** (unless ``--no-cold``): the same with every worker restarted before
+  the round, so the spare imports torch during recovery.
+- **torchrun**: ``torchrun --standalone --nproc-per-node 2 --max-restarts 1`` running
+  ``_torchrun_recovery_peer.py`` (same model and data, synchronous checkpoint-resume); rank 1
+  SIGKILLs itself at step K in the first attempt; each attempt uses a fresh TCPStore (see the
+  peer's docstring for why).
+
+Variants alternate order round by round; figures are medians over rounds. The breakdowns split
+the recovery into consecutive parts that add up to it:
+
+- nbtrain: detection (kill -> first failure seen), ending the generation and placing the next
+  (-> generation N+1 starts), dispatch (-> rank task running on its worker), rank setup
+  (rendezvous + recipe setup + restore, the slowest rank's), first step.
+- torchrun: restart (agent notices, tears down, spawns), imports, rendezvous, setup (model,
+  optimizer, data), restore (``torch.load``), DDP wrap (a parameter broadcast), first step.
+
+Usage: ``python benchmarks/recovery.py [--quick] [--rounds N] [--no-cold] [--no-spare]``.
+The last stdout line is one JSON object with detect_s, recovery_s, torchrun_recovery_s,
+ratio_vs_torchrun, lost_steps, checkpoint_interval_steps and the breakdowns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import dask.config
+
+import nbtrain
+from nbtrain import Fault
+from nbtrain.examples import DigitsMLP
+
+HERE = Path(__file__).resolve().parent
+WORLD = 2
+
+
+def _warm_worker() -> int:
+    """Runs in every worker: the imports a rank needs, so a spare slot starts warm."""
+    import torch.distributed  # noqa: F401
+
+    import nbtrain.runtime.loop  # noqa: F401
+    from nbtrain.examples import digits
+
+    digits("train")
+    return os.getpid()
+
+
+def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def _prepare_slots(cluster: nbtrain.Cluster, n: int, cold: bool) -> None:
+    """Every slot free; warm (imports done) or cold (fresh worker processes)."""
+    _wait(lambda: len(cluster.free_slots) == len(cluster.slots) == n, 120, f"{n} free slots")
+    if cold:
+        old = set(cluster.slots)
+        # Returns once the nannies have restarted them; the inventory catches up a bit later.
+        cluster.client.restart_workers(sorted(old), timeout=180, raise_for_error=False)
+        _wait(lambda: len(cluster.free_slots) == n and not set(cluster.free_slots) & old, 180,
+              "the restarted workers in nbtrain's slot inventory")
+    else:
+        cluster.client.run(_warm_worker)
+
+
+def run_nbtrain(cluster: nbtrain.Cluster, args: argparse.Namespace, n_slots: int, cold: bool,
+                name: str) -> dict[str, Any]:
+    _prepare_slots(cluster, n_slots, cold)
+    recipe = DigitsMLP(hidden=args.hidden, layers=args.layers, batch_size=args.batch,
+                       eval_every=0)
+    job = cluster.submit(recipe, world_size=WORLD, steps=args.steps, name=name,
+                         checkpoint=args.ckpt_every, max_restarts=1,
+                         faults=[Fault("kill", rank=1, step=args.kill_step)])
+    job.result(timeout=600)
+    return analyse_nbtrain(job)
+
+
+def analyse_nbtrain(job: nbtrain.JobHandle) -> dict[str, Any]:
+    events = job.events
+    faults = job.faults
+    if len(faults) != 1 or job.restarts != 1:
+        raise RuntimeError(f"expected exactly one fault and one restart, got {faults}")
+    fault = faults[0]
+    killed = next(e for e in events if e["kind"] == "fault_injected")
+    when = float(killed["when"])
+    gen = int(fault["generation"]) + 1
+    starting = next(e for e in events if e["kind"] == "state" and e["state"] == "STARTING"
+                    and str(e["reason"]).startswith(f"generation {gen}:"))
+    started = [e for e in events if e["kind"] == "rank_started" and e["gen"] == gen]
+    last = max(started, key=lambda e: float(e["time"]))
+    m = job.metrics
+    first_step = float(m[(m["generation"] == gen) & (m["rank"] == 0)]["time"].min())
+    recovery = next(e for e in events if e["kind"] == "recovery")
+    t_fault, t_start, t_ranks = float(fault["time"]), float(starting["time"]), float(last["time"])
+    setup = float(last["startup_s"])
+    goodput = job.goodput()
+    return {
+        "detect_s": float(fault["detect_s"]),
+        "recovery_s": first_step - when,
+        "engine_recovery_s": recovery["recovery_s"],  # the engine's own: detection -> steps seen
+        "lost_steps": int(fault["lost_steps"]),
+        "resume_step": int(fault["resume_step"]),
+        "goodput_fraction": goodput["fraction"],
+        "breakdown": {
+            "detection_s": t_fault - when,
+            "end_generation_and_place_s": t_start - t_fault,
+            "dispatch_s": t_ranks - t_start - setup,
+            "rank_setup_s": setup,
+            "first_step_s": first_step - t_ranks,
+        },
+    }
+
+
+def _free_port_pair() -> int:
+    """A port P with P and P+1 free (the peer's store for attempts 0 and 1)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no two consecutive free ports found for the torchrun peer's stores")
+
+
+def run_torchrun(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(WORLD), "--max-restarts", "1",
+               str(HERE / "_torchrun_recovery_peer.py"), "--dir", tmp,
+               "--store-port", str(_free_port_pair()), "--steps", str(args.steps),
+               "--kill-step", str(args.kill_step), "--ckpt-every", str(args.ckpt_every),
+               "--hidden", str(args.hidden), "--layers", str(args.layers),
+               "--batch", str(args.batch)]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, timeout=600)
+        if proc.returncode != 0 or not (out / "attempt-1.json").exists():
+            raise RuntimeError(f"torchrun peer failed (exit {proc.returncode}):\n"
+                               f"{proc.stderr[-3000:]}")
+        kill = json.loads((out / "kill.json").read_text())
+        a = json.loads((out / "attempt-1.json").read_text())
+    when = float(kill["when"])
+    return {
+        "recovery_s": a["first_step"] - when,
+        "lost_steps": int(kill["step"]) - int(a["start_step"]),
+        "resume_step": int(a["start_step"]),
+        "breakdown": {
+            "restart_s": a["start"] - when,
+            "imports_s": a["imported"] - a["start"],
+            "rendezvous_s": a["process_group"] - a["imported"],
+            "setup_s": a["built"] - a["process_group"],
+            "restore_s": a["loaded"] - a["built"],
+            "ddp_wrap_s": a["restored"] - a["loaded"],
+            "first_step_s": a["first_step"] - a["restored"],
+        },
+    }
+
+
+def _median_breakdown(results: list[dict[str, Any]]) -> dict[str, float]:
+    keys = results[0]["breakdown"].keys()
+    return {k: round(statistics.median(r["breakdown"][k] for r in results), 4) for k in keys}
+
+
+def _med(results: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(float(r[key]) for r in results)
+
+
+def _print_breakdown(title: str, results: list[dict[str, Any]]) -> None:
+    print(f"\n{title} (median s)")
+    for k, v in _median_breakdown(results).items():
+        print(f"  {k:28}{v:8.3f}")
+    print(f"  {'= kill to next step':28}{_med(results, 'recovery_s'):8.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="2 rounds (default: 5)")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--kill-step", type=int, default=56)
+    parser.add_argument("--ckpt-every", type=int, default=10)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--no-cold", action="store_true",
+                        help="skip the cold-spare nbtrain variant")
+    parser.add_argument("--no-spare", action="store_true",
+                        help="2 workers, no spare: the next generation waits for the killed "
+                             "worker's replacement")
+    args = parser.parse_args()
+    if not 1 < args.kill_step <= args.steps:
+        parser.error(f"--kill-step must be in 2..{args.steps}, got {args.kill_step}")
+    rounds = args.rounds or (2 if args.quick else 5)
+    n_slots = WORLD if args.no_spare else WORLD + 1
+    variants = ["nbtrain", "torchrun"] + ([] if args.no_cold else ["nbtrain_cold"])
+    results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    # A LocalCluster closes a worker's nanny for good when no worker of that name is back
+    # ``lost-worker-timeout`` (15 s) after a removal; the timer of an earlier removal (our kill)
+    # also fires while a later restart (the cold round's) is in progress, and the slot is lost.
+    # Rounds here restart workers soon after kills, so the timer is set out of the way.
+    dask.config.set({"distributed.deploy.lost-worker-timeout": "1h"})
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as root:
+        settings = nbtrain.Settings.load(checkpoint_root=root)
+        with nbtrain.connect(n_workers=n_slots, settings=settings) as cluster:
+            for i in range(rounds):
+                # Rotate the order so drift in machine load hits every variant alike.
+                order = variants[i % len(variants):] + variants[:i % len(variants)]
+                for which in order:
+                    if which == "torchrun":
+                        results[which].append(run_torchrun(args))
+                    else:
+                        results[which].append(run_nbtrain(
+                            cluster, args, n_slots, cold=which == "nbtrain_cold",
+                            name=f"recovery-{which}-{i}"))
+                line = "   ".join(f"{v} {results[v][-1]['recovery_s']:6.2f} s" for v in variants)
+                print(f"round {i + 1}/{rounds}: kill to next step: {line}", flush=True)
+    ours, peer = results["nbtrain"], results["torchrun"]
+    rec, peer_rec = _med(ours, "recovery_s"), _med(peer, "recovery_s")
+    detect = _med(ours, "detect_s")
+    lost = max(int(r["lost_steps"]) for r in ours)
+    spare = "none" if args.no_spare else "warm (imports preloaded with client.run)"
+    _print_breakdown(f"nbtrain, spare slot: {spare}", ours)
+    if "nbtrain_cold" in results:
+        _print_breakdown("nbtrain, cold spare (fresh worker processes)", results["nbtrain_cold"])
+    _print_breakdown("torchrun --max-restarts 1", peer)
+    targets = {"detect_s<=1": detect <= 1.0, "ratio_vs_torchrun<=0.5": rec / peer_rec <= 0.5,
+               "lost_steps<=checkpoint_interval_steps": lost <= args.ckpt_every}
+    print(f"\n{'':30}{'nbtrain':>10}{'torchrun':>10}")
+    print(f"{'kill to next step (median s)':30}{rec:10.3f}{peer_rec:10.3f}   ratio "
+          f"{rec / peer_rec:.3f}")
+    print(f"{'detection (median s)':30}{detect:10.3f}")
+    print(f"{'lost steps (max over rounds)':30}{lost:10d}"
+          f"{max(int(r['lost_steps']) for r in peer):10d}"
+          f"   checkpoint every {args.ckpt_every} steps")
+    print("targets: " + ", ".join(f"{k} {'met' if ok else 'MISSED'}" for k, ok in targets.items())
+          + f"; wall {time.monotonic() - t0:.0f} s")
+    figures: dict[str, Any] = {
+        "detect_s": round(detect, 4),
+        "recovery_s": round(rec, 4),
+        "torchrun_recovery_s": round(peer_rec, 4),
+        "ratio_vs_torchrun": round(rec / peer_rec, 4),
+        "ratio_per_round_median": round(statistics.median(
+            a["recovery_s"] / b["recovery_s"] for a, b in zip(ours, peer, strict=True)), 4),
+        "lost_steps": lost,
+        "torchrun_lost_steps": max(int(r["lost_steps"]) for r in peer),
+        "checkpoint_interval_steps": args.ckpt_every,
+        "kill_step": args.kill_step,
+        "engine_recovery_s": round(_med(ours, "engine_recovery_s"), 4),
+        "goodput_fraction": round(_med(ours, "goodput_fraction"), 4),
+        "breakdown": _median_breakdown(ours),
+        "torchrun_breakdown": _median_breakdown(peer),
+        "spare": spare,
+        "targets_met": targets,
+        "rounds": rounds, "steps": args.steps, "world_size": WORLD, "slots": n_slots,
+        "model": {"hidden": args.hidden, "layers": args.layers, "global_batch": args.batch},
+    }
+    if "nbtrain_cold" in results:
+        cold = results["nbtrain_cold"]
+        figures["cold_spare_recovery_s"] = round(_med(cold, "recovery_s"), 4)
+        figures["cold_spare_ratio_vs_torchrun"] = round(_med(cold, "recovery_s") / peer_rec, 4)
+        figures["cold_spare_breakdown"] = _median_breakdown(cold)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
