@@ -6,9 +6,9 @@ every ``--ckpt-every`` steps; rank 1's worker process is SIGKILLed at the start 
 row in the next generation / attempt), on the same clock, in the same run:
 
 - **nbtrain, warm spare**: ``connect(n_workers=3)``, a planned ``Fault("kill", rank=1, step=K)``.
-  The survivor keeps its process; the new rank 1 goes to the spare slot. Before the round every
-  worker imports torch/nbtrain (``client.run``; what ``--preload`` does for a long-lived Dask
-  worker), so the spare is warm.
+  The survivor keeps its process; the new rank 1 goes to the spare slot. Before the round a
+  3-step job runs on every slot, so the spare has run a rank before, as on a long-lived
+  cluster (warm: torch, its optimizer machinery and gloo already loaded).
 - **nbtrain, cold spare** (unless ``--no-cold``): the same with every worker restarted before
   the round, so the spare imports torch during recovery.
 - **torchrun**: ``torchrun --standalone --nproc-per-node 2 --max-restarts 1`` running
@@ -19,9 +19,10 @@ row in the next generation / attempt), on the same clock, in the same run:
 Variants alternate order round by round; figures are medians over rounds. The breakdowns split
 the recovery into consecutive parts that add up to it:
 
-- nbtrain: detection (kill -> first failure seen), ending the generation and placing the next
-  (-> generation N+1 starts), dispatch (-> rank task running on its worker), rank setup
-  (rendezvous + recipe setup + restore, the slowest rank's), first step.
+- nbtrain: detection (kill -> first failure seen), ending the generation and waiting for free
+  slots (-> generation N+1 starts; with ``--no-spare`` this waits for the replacement
+  worker), dispatch (-> rank task running on its worker), rank setup (rendezvous + recipe
+  setup + restore, the slowest rank's), first step.
 - torchrun: restart (agent notices, tears down, spawns), imports, rendezvous, setup (model,
   optimizer, data), restore (``torch.load``), DDP wrap (a parameter broadcast), first step.
 
@@ -55,17 +56,6 @@ HERE = Path(__file__).resolve().parent
 WORLD = 2
 
 
-def _warm_worker() -> int:
-    """Runs in every worker: the imports a rank needs, so a spare slot starts warm."""
-    import torch.distributed  # noqa: F401
-
-    import nbtrain.runtime.loop  # noqa: F401
-    from nbtrain.examples import digits
-
-    digits("train")
-    return os.getpid()
-
-
 def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -74,8 +64,9 @@ def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def _prepare_slots(cluster: nbtrain.Cluster, n: int, cold: bool) -> None:
-    """Every slot free; warm (imports done) or cold (fresh worker processes)."""
+def _prepare_slots(cluster: nbtrain.Cluster, recipe: DigitsMLP, n: int, cold: bool) -> None:
+    """Every slot free, and either warm (each worker has run a rank, as on a long-lived
+    cluster) or cold (fresh worker processes that have imported nothing)."""
     _wait(lambda: len(cluster.free_slots) == len(cluster.slots) == n, 120, f"{n} free slots")
     if cold:
         old = set(cluster.slots)
@@ -84,14 +75,18 @@ def _prepare_slots(cluster: nbtrain.Cluster, n: int, cold: bool) -> None:
         _wait(lambda: len(cluster.free_slots) == n and not set(cluster.free_slots) & old, 180,
               "the restarted workers in nbtrain's slot inventory")
     else:
-        cluster.client.run(_warm_worker)
+        # Importing torch is not enough: the first optimizer built in a process also imports
+        # torch._dynamo (~1 s here). A short job on every slot warms all of it.
+        cluster.submit(recipe, world_size=n, steps=3, checkpoint=None,
+                       name="recovery-warmup").result(timeout=300)
+        _wait(lambda: len(cluster.free_slots) == n, 120, f"{n} free slots after the warm-up")
 
 
 def run_nbtrain(cluster: nbtrain.Cluster, args: argparse.Namespace, n_slots: int, cold: bool,
                 name: str) -> dict[str, Any]:
-    _prepare_slots(cluster, n_slots, cold)
     recipe = DigitsMLP(hidden=args.hidden, layers=args.layers, batch_size=args.batch,
                        eval_every=0)
+    _prepare_slots(cluster, recipe, n_slots, cold)
     job = cluster.submit(recipe, world_size=WORLD, steps=args.steps, name=name,
                          checkpoint=args.ckpt_every, max_restarts=1,
                          faults=[Fault("kill", rank=1, step=args.kill_step)])
@@ -127,7 +122,7 @@ def analyse_nbtrain(job: nbtrain.JobHandle) -> dict[str, Any]:
         "goodput_fraction": goodput["fraction"],
         "breakdown": {
             "detection_s": t_fault - when,
-            "end_generation_and_place_s": t_start - t_fault,
+            "end_generation_wait_slots_s": t_start - t_fault,
             "dispatch_s": t_ranks - t_start - setup,
             "rank_setup_s": setup,
             "first_step_s": first_step - t_ranks,
@@ -204,7 +199,7 @@ def _print_breakdown(title: str, results: list[dict[str, Any]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="2 rounds (default: 5)")
+    parser.add_argument("--quick", action="store_true", help="3 rounds (default: 5)")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--kill-step", type=int, default=56)
@@ -220,7 +215,7 @@ def main() -> None:
     args = parser.parse_args()
     if not 1 < args.kill_step <= args.steps:
         parser.error(f"--kill-step must be in 2..{args.steps}, got {args.kill_step}")
-    rounds = args.rounds or (2 if args.quick else 5)
+    rounds = args.rounds or (3 if args.quick else 5)
     n_slots = WORLD if args.no_spare else WORLD + 1
     variants = ["nbtrain", "torchrun"] + ([] if args.no_cold else ["nbtrain_cold"])
     results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
@@ -249,7 +244,7 @@ def main() -> None:
     rec, peer_rec = _med(ours, "recovery_s"), _med(peer, "recovery_s")
     detect = _med(ours, "detect_s")
     lost = max(int(r["lost_steps"]) for r in ours)
-    spare = "none" if args.no_spare else "warm (imports preloaded with client.run)"
+    spare = "none" if args.no_spare else "warm (every slot ran a 3-step job first)"
     _print_breakdown(f"nbtrain, spare slot: {spare}", ours)
     if "nbtrain_cold" in results:
         _print_breakdown("nbtrain, cold spare (fresh worker processes)", results["nbtrain_cold"])
