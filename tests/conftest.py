@@ -31,7 +31,13 @@ def cluster() -> Iterator[nbtrain.Cluster]:
 
 @pytest.fixture
 def free_cluster(cluster: nbtrain.Cluster) -> nbtrain.Cluster:
-    """The shared cluster, checked to have every slot free before and after the test."""
+    """The shared cluster, checked to have every slot free before and after the test.
+
+    If an earlier test left the cluster short of workers (its own teardown has then already
+    failed), the cluster is scaled back so one failure does not cascade into every later test.
+    """
+    if len(cluster.slots) < 2:
+        cluster.scale(2)
     wait_for(lambda: len(cluster.free_slots) == len(cluster.slots) == 2, 60, "free slots")
     yield cluster
     wait_for(lambda: len(cluster.free_slots) == len(cluster.slots) == 2, 60,

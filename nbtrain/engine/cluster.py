@@ -20,6 +20,7 @@ from nbtrain.core.job import JobSpec
 from nbtrain.core.mitigation import MitigationSettings, make_policy
 from nbtrain.engine.checkpoints import job_url
 from nbtrain.engine.controller import Controller
+from nbtrain.engine.embedded import EmbeddedCluster, WarmUp
 from nbtrain.engine.job import JobHandle
 from nbtrain.runtime.faults import Fault
 from nbtrain.runtime.recipe import Recipe
@@ -196,8 +197,9 @@ def connect(address: str | Client | None = None, *, n_workers: int | None = None
     kwargs: dict[str, Any] = {"dashboard_address": ":0", "silence_logs": logging.CRITICAL}
     kwargs.update(cluster_kwargs)
     with dask.config.set(config):
-        local = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, **kwargs)
+        local = EmbeddedCluster(n_workers=n, threads_per_worker=1, processes=True, **kwargs)
         client = Client(local)
+    client.register_plugin(WarmUp())
     client.wait_for_workers(n, timeout=120)
     # weakref.finalize also runs at interpreter exit, so the embedded cluster never outlives us.
     return Cluster(client, local=local, owns_client=True, settings=settings)

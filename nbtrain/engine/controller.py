@@ -460,6 +460,11 @@ class Controller:
                 "(no traceback)", time.time(), peer=True))
         if gen.finished(job.spec.world_size):
             self._end_generation(job, gen)
+        elif rank in gen.failures and gen.failures[rank].peer:
+            # A peer's collective failed: perhaps a worker died. Look now rather than at the
+            # next periodic inventory refresh.
+            self._refresh_inventory()
+            self._check_lost_workers()
 
     def _record_failure(self, gen: Generation, rank: int, failure: RankFailure) -> None:
         gen.failures[rank] = failure
@@ -486,7 +491,8 @@ class Controller:
         silent = now - gen.last_progress
         if silent <= limit:
             return
-        gen.hang = {"silent_s": silent, "limit_s": limit, "detected_wall": time.time()}
+        gen.hang = {"silent_s": silent, "limit_s": limit, "detected_wall": time.time(),
+                    "detected_mono": now}
         keys = {rank: fut.key for rank, fut in gen.futures.items()}
         slots = list(gen.slots)
         threading.Thread(target=self._restart_hung, args=(job, keys, slots), daemon=True,
@@ -659,9 +665,11 @@ class Controller:
         elif injected_when is None and primary is not None and not primary.peer:
             injected_when = primary.when  # the rank's own clock when it raised
         detect_s = detected_wall - injected_when if injected_when is not None else None
+        detected_mono = (gen.hang or {}).get("detected_mono") or gen.failed_at
         return {"what": what, "rank": rank, "host": host, "step": step, "error": error,
                 "generation": gen.number, "time": detected_wall, "detect_s": detect_s,
-                "detected_mono": time.monotonic()}
+                "detected_mono": detected_mono if detected_mono is not None
+                else time.monotonic()}
 
     def _newest_committed(self, job: JobHandle) -> int:
         for url in (job._ckpt_url, job._restore[0] if job._restore else None):
