@@ -40,6 +40,11 @@ def free_cluster(cluster: nbtrain.Cluster) -> nbtrain.Cluster:
         cluster.scale(2)
     wait_for(lambda: len(cluster.free_slots) == len(cluster.slots) == 2, 60, "free slots")
     yield cluster
+    # A test that failed half-way may leave a long job running: end it so the next tests get
+    # their slots (the failed test has already reported its failure).
+    for job in cluster.jobs:
+        if not job.status.terminal:
+            job.stop()
     wait_for(lambda: len(cluster.free_slots) == len(cluster.slots) == 2, 60,
              "slots freed after the test")
 

@@ -70,15 +70,22 @@ def test_preempt_then_resume_matches_uninterrupted(free_cluster: nbtrain.Cluster
 def test_checkpoint_now_and_events(free_cluster: nbtrain.Cluster) -> None:
     job = free_cluster.submit(Regression(step_sleep=0.01), world_size=2, steps=1_000_000,
                               checkpoint=None)
-    wait_for(lambda: job.step >= 5, 120, "training progress")
-    job.checkpoint()
-    wait_for(lambda: len(job.checkpoints) == 1, 60, "an on-demand checkpoint to commit")
-    events = [e for e in job.events if e["kind"] == "checkpoint"]
-    phases = {e["phase"] for e in events}
-    assert {"snapshot", "persisted", "committed"} <= phases
-    snap = next(e for e in events if e["phase"] == "snapshot")
-    assert snap["bytes"] > 0 and snap["blocking_ms"] >= 0
-    job.stop()
+    try:
+        wait_for(lambda: job.step >= 5, 120, "training progress")
+        job.checkpoint()
+        wait_for(lambda: len(job.checkpoints) == 1, 60, "an on-demand checkpoint to commit")
+
+        def phases() -> set[str]:
+            return {e["phase"] for e in job.events if e["kind"] == "checkpoint"}
+
+        # The files are on disk first; the events follow over the event stream.
+        wait_for(lambda: {"snapshot", "persisted", "committed"} <= phases(), 30,
+                 "the checkpoint's events")
+        snap = next(e for e in job.events
+                    if e["kind"] == "checkpoint" and e["phase"] == "snapshot")
+        assert snap["bytes"] > 0 and snap["blocking_ms"] >= 0
+    finally:
+        job.stop()
     assert job.wait(60) is JobState.CANCELLED
     assert len(job.checkpoints) == 2  # plus the one taken at stop
 

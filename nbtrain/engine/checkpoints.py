@@ -38,7 +38,7 @@ def resolve_resume(root: str, name: str, resume: str) -> tuple[str, int | None] 
         if not fs.exists(path):
             return None
         for entry in fs.ls(path, detail=False):
-            url = _with_protocol(base, path, str(entry))
+            url = _with_protocol(base, str(entry))
             try:
                 manifests = CheckpointStore(url).manifests()
             except (CheckpointError, OSError):
@@ -61,7 +61,8 @@ def resolve_resume(root: str, name: str, resume: str) -> tuple[str, int | None] 
     return url, step
 
 
-def _with_protocol(base: str, base_path: str, entry: str) -> str:
+def _with_protocol(base: str, entry: str) -> str:
+    """A listed path as a URL of the same filesystem as ``base``."""
     if "://" in base:
         proto = base.split("://", 1)[0]
         return f"{proto}://{entry.lstrip('/')}" if proto != "file" else entry

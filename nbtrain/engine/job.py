@@ -134,6 +134,12 @@ class JobHandle:
             frame = frame.join(pd.DataFrame(extra, index=frame.index))
         return frame
 
+    @property
+    def row_count(self) -> int:
+        """Step rows received so far (all ranks and generations)."""
+        with self._lock:
+            return len(self._rows)
+
     def rows_since(self, index: int) -> tuple[list[tuple[Any, ...]], int]:
         """Step rows appended after position ``index``, and the new position (for live views)."""
         with self._lock:

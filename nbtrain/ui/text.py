@@ -12,7 +12,7 @@ from nbtrain.engine.job import JobHandle
 
 def progress_line(job: JobHandle) -> str:
     """One line: state, step, latest loss (and accuracy), recent steps/s."""
-    rows, _ = job.rows_since(max(0, len(job.rows_since(0)[0]) - 400))
+    rows, _ = job.rows_since(max(0, job.row_count - 400))
     main = [r for r in rows if r[1] == 0]
     parts = [f"[{job.name}] {job.status.value:<9} step {job.step:>6}/{job.spec.steps}"]
     if len(main) >= 2:
