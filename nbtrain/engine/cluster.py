@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import html
 import logging
 import os
@@ -118,9 +117,8 @@ class Cluster:
         job_id = uuid.uuid4().hex[:8]
         spec = JobSpec(job_id=job_id, name=name or f"{type(recipe).__name__}-{job_id[:4]}",
                        world_size=world_size, steps=steps, queue=queue, seed=seed,
-                       priority=priority, team=team)
-        spec = dataclasses.replace(spec, checkpoint=checkpoint, resume=resume,
-                                   max_restarts=max_restarts, restart_window_s=restart_window_s)
+                       priority=priority, team=team, checkpoint=checkpoint, resume=resume,
+                       max_restarts=max_restarts, restart_window_s=restart_window_s)
         payload = _pickle_recipe(recipe)
         url = job_url(self.settings.checkpoint_root, spec.name, job_id)
         mitigation = (stragglers if isinstance(stragglers, MitigationSettings)

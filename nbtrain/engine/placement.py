@@ -9,6 +9,7 @@ to them when it does not fit otherwise (a one-host cluster must still be able to
 from __future__ import annotations
 
 from collections.abc import Collection
+from functools import lru_cache
 
 from nbtrain.core.placement import place
 from nbtrain.core.topology import Topology
@@ -22,7 +23,7 @@ def place_gang(free_by_host: dict[str, list[str]], world_size: int, *,
     hosts = all_by_host or free_by_host
     if not any(hosts.values()):
         return None
-    topology = Topology.from_hosts(hosts)
+    topology = _topology(tuple((h, tuple(slots)) for h, slots in hosts.items()))
     free = [a for slots in free_by_host.values() for a in slots]
     preferred = [a for h, slots in free_by_host.items() if h not in avoid_hosts
                  for a in slots if a not in avoid_slots]
@@ -31,3 +32,10 @@ def place_gang(free_by_host: dict[str, list[str]], world_size: int, *,
         if placement is not None:
             return [str(s) for s in placement.slots]
     return None
+
+
+@lru_cache(maxsize=8)
+def _topology(hosts: tuple[tuple[str, tuple[str, ...]], ...]) -> Topology:
+    """The cluster's topology, rebuilt only when the worker inventory changes (a waiting
+    gang is re-placed on every controller tick)."""
+    return Topology.from_hosts(dict(hosts))
