@@ -45,7 +45,8 @@ class EncodingComm(BaseComm):
 def make_job(world_size: int) -> JobHandle:
     spec = JobSpec(job_id=f"bench{world_size}", name=f"bench-{world_size}",
                    world_size=world_size, steps=10**9)
-    return JobHandle(spec, b"", None, "memory://bench")  # type: ignore[arg-type]
+    return JobHandle(spec, checkpoint_url="memory://bench",
+                     status={"state": "RUNNING", "reason": "training"})
 
 
 def rows_for(step0: int, n: int, rank: int, t0: float) -> list[list[Any]]:
@@ -63,7 +64,8 @@ def run_pull(world_size: int, ticks: int, steps_per_tick: int) -> dict[str, floa
     step = 1
     for _ in range(ticks):
         for rank in range(world_size):
-            job._add_rows(0, rank, rows_for(step, steps_per_tick, rank, 1.7e9))
+            job._apply({"rows": [(0, rank, *row) for row in
+                                 rows_for(step, steps_per_tick, rank, 1.7e9)]})
         step += steps_per_tick
         started = time.perf_counter()
         dash.refresh()

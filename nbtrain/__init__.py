@@ -3,16 +3,39 @@
 >>> cluster = nbtrain.connect()                       # embedded local cluster
 >>> job = cluster.submit(MyRecipe(), world_size=2, steps=100)
 >>> job.status, job.metrics, job.stop()
+
+Names are imported on first use: the controller runs inside the Dask scheduler process, which
+imports ``nbtrain.engine`` and must not pay for (or even have) torch.
 """
 
-from nbtrain.config import Settings
-from nbtrain.core.job import JobSpec, JobState
-from nbtrain.engine.cluster import Cluster, connect
-from nbtrain.engine.job import JobFailedError, JobHandle
-from nbtrain.runtime.context import RankContext
-from nbtrain.runtime.errors import RankFailure
-from nbtrain.runtime.faults import Fault
-from nbtrain.runtime.recipe import Recipe
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nbtrain.config import Settings
+    from nbtrain.core.faults import Fault
+    from nbtrain.core.job import JobSpec, JobState
+    from nbtrain.engine.cluster import Cluster, connect
+    from nbtrain.engine.job import JobFailedError, JobHandle
+    from nbtrain.runtime.context import RankContext
+    from nbtrain.runtime.errors import RankFailure
+    from nbtrain.runtime.recipe import Recipe
+
+_WHERE = {
+    "Cluster": "nbtrain.engine.cluster",
+    "Fault": "nbtrain.core.faults",
+    "JobFailedError": "nbtrain.engine.job",
+    "JobHandle": "nbtrain.engine.job",
+    "JobSpec": "nbtrain.core.job",
+    "JobState": "nbtrain.core.job",
+    "RankContext": "nbtrain.runtime.context",
+    "RankFailure": "nbtrain.runtime.errors",
+    "Recipe": "nbtrain.runtime.recipe",
+    "Settings": "nbtrain.config",
+    "connect": "nbtrain.engine.cluster",
+}
 
 __all__ = [
     "Cluster",
@@ -28,3 +51,16 @@ __all__ = [
     "connect",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'nbtrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])

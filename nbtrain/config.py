@@ -33,10 +33,9 @@ class Settings:
     event_flush_s: float = 0.25
     #: ... or when this many records are buffered.
     event_batch_max: int = 512
-    #: Controller loop wake-up period when nothing else wakes it.
+    #: How often the controller checks deadlines (failure grace, hang watchdog, preemption
+    #: grace). It runs next to the Dask scheduler; a tick costs microseconds per job.
     controller_tick_s: float = 0.05
-    #: How often the controller refreshes the worker (slot) inventory from the scheduler.
-    inventory_refresh_s: float = 0.5
     #: After a rank fails on its own (an exception), how long its peers get to notice before
     #: the failed rank's worker is restarted. Peers blocked in a gloo collective only see the
     #: failure when the failed rank's connections close, and they close with its process.
@@ -73,8 +72,63 @@ class Settings:
     host_failure_window_s: float = 600.0
     host_exclusion_s: float = 300.0
 
+    # -- the cluster's controller: read from the settings of the client that first
+    # -- connects (or of the scheduler's process, with ``--preload nbtrain.engine.preload``)
+    #: Time a job told to release its slots (preempted by a higher-priority job or its user)
+    #: gets to checkpoint at a step boundary; after it the ranks are stopped and the job
+    #: resumes from its last committed checkpoint. Longer than a step plus a checkpoint.
+    preempt_grace_s: float = 120.0
+    #: Fair-share weights of teams, ``"research:3,teaching:1"``; unnamed teams weigh 1.
+    team_weights: str = ""
+    #: Highest priority a job may have without the operator token.
+    priority_ceiling: int = 10
+    #: The operator's token: a client holding it may steer every job and submit above the
+    #: priority ceiling. Empty: no operator (the embedded cluster makes one for its owner).
+    operator_token: str = ""
+    #: Ended jobs the controller remembers (for ``cluster.jobs`` and reattaching).
+    jobs_kept: int = 200
+    #: Step rows the controller keeps per job for clients that attach later (newest kept).
+    rows_kept: int = 200_000
+    #: A worker restarted by nbtrain that has not come back after this long is reported lost.
+    worker_return_s: float = 120.0
+    #: How long the controller waits for a nanny to kill a worker it restarts.
+    worker_restart_timeout_s: float = 30.0
+
+    # -- this client
+    #: Where a client keeps the tokens of the jobs it submitted, so a restarted kernel can
+    #: steer them again ("" keeps them in memory only). One file per user, mode 0600.
+    token_file: str = "~/.nbtrain/tokens.json"
+
+    # -- a worker's labels (set in the worker's environment, e.g. NBTRAIN_WORKER_HOST=node3)
+    #: The host this worker counts as ("" = its network address's host). Declares a topology
+    #: on one machine for teaching labs, or names hosts behind NAT.
+    worker_host: str = ""
+    #: The NVLink domain of this worker's device ("" = its whole host).
+    worker_nvlink: str = ""
+    #: The leaf switch of this worker's host ("" = one switch for all).
+    worker_leaf: str = ""
+
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
+
+    def team_weight_map(self) -> dict[str, float]:
+        """``team_weights`` parsed; raises ValueError naming the bad entry."""
+        out: dict[str, float] = {}
+        for part in filter(None, (p.strip() for p in self.team_weights.split(","))):
+            team, sep, weight = part.partition(":")
+            try:
+                value = float(weight)
+            except ValueError:
+                value = float("nan")
+            if not sep or not team.strip() or not value > 0:
+                raise ValueError(
+                    f"team_weights entry {part!r} is not 'team:weight' with a weight > 0; "
+                    "write e.g. team_weights='research:3,teaching:1'")
+            out[team.strip()] = value
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
     @classmethod
     def load(cls, **overrides: Any) -> Settings:

@@ -72,17 +72,19 @@ def patches(c: RecordingComm) -> int:
 
 
 def offline_handle(world_size: int, steps: int = 10_000) -> JobHandle:
-    """A real JobHandle with no controller, fed rows through the controller's own entry
-    point: for the bounded-memory checks, which need more steps than a test should train."""
+    """A real JobHandle attached to no cluster, fed through the follower's own entry point
+    (``_apply``): for the bounded-memory checks, which need more steps than a test should
+    train."""
     spec = JobSpec(job_id="offline0", name="offline", world_size=world_size, steps=steps)
-    return JobHandle(spec, b"", None, "memory://offline")  # type: ignore[arg-type]
+    return JobHandle(spec, checkpoint_url="memory://offline",
+                     status={"state": "RUNNING", "reason": "training"})
 
 
 def feed(job: JobHandle, world_size: int, first: int, n: int, t0: float = 1.7e9) -> None:
     for rank in range(world_size):
-        rows = [[s, t0 + s * 0.01, 0.01 + rank * 1e-4, 1e-3, 6e-3, 2e-3, 1e-3,
-                 {"loss": 1.0 / (s + 1)}] for s in range(first, first + n)]
-        job._add_rows(0, rank, rows)
+        rows = [(0, rank, s, t0 + s * 0.01, 0.01 + rank * 1e-4, 1e-3, 6e-3, 2e-3, 1e-3,
+                 {"loss": 1.0 / (s + 1)}) for s in range(first, first + n)]
+        job._apply({"rows": rows})
 
 
 # -- a real job, watched by the widget and the text view at once ----------------------------
@@ -282,8 +284,9 @@ def test_phase_selector_redraws_the_chosen_phase(comms: list[RecordingComm]) -> 
 def test_straggler_lines_are_drawn_thicker(comms: list[RecordingComm]) -> None:
     job = offline_handle(2)
     dash = JobDashboard(job, start=False)
-    job._add_event({"kind": "straggler", "rank": 1, "phase": "compute", "state": "confirmed",
-                    "ratio": 2.5, "since_step": 7, "hint": "thermal"})
+    job._apply({"events": [{"kind": "straggler", "rank": 1, "phase": "compute",
+                            "state": "confirmed", "ratio": 2.5, "since_step": 7,
+                            "hint": "thermal"}]})
     dash.refresh()
     widths = {r: line.glyph.line_width for r, line in dash.step_plot._renderers.items()}
     assert widths[1] > widths[0]
@@ -336,7 +339,7 @@ def test_dashboard_poller_stops_itself_after_drawing_the_end(
         dash = JobDashboard(job, rate_hz=20.0)
         assert dash.poller.running
         feed(job, 2, 1, 30)
-        job._set_state(JobState.SUCCEEDED, "completed 30 steps")  # as the controller does
+        job._apply({"status": {"state": "SUCCEEDED", "reason": "completed 30 steps"}})
         while dash.poller.running:
             await asyncio.sleep(0.01)
         return dash

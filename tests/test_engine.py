@@ -10,6 +10,7 @@ import pytest
 
 import nbtrain
 from nbtrain import JobState
+from nbtrain.runtime.events import RANK_TOPIC
 from tests.conftest import wait_for
 from tests.recipes import Regression, assert_params_equal, single_process_params
 
@@ -134,8 +135,9 @@ def test_step_records_are_batched_per_rank() -> None:
     with nbtrain.connect(n_workers=2, settings=settings) as c:
         job = c.submit(Regression(), world_size=2, steps=35, checkpoint=None)
         assert job.wait(120) is JobState.SUCCEEDED, job.error
-        events = c.client.get_events(f"nbtrain-{job.id}")
-        batches = [msg for _, msg in events if msg.get("kind") == "steps"]
+        events = c.client.get_events(RANK_TOPIC)
+        batches = [msg for _, msg in events
+                   if msg.get("kind") == "steps" and msg.get("job") == job.id]
         per_rank = {r: [len(m["rows"]) for m in batches if m["rank"] == r] for r in (0, 1)}
         assert per_rank == {0: [10, 10, 10, 5], 1: [10, 10, 10, 5]}
         assert len(job.metrics) == 70

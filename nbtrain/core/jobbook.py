@@ -33,6 +33,7 @@ __all__ = ["JobBook", "JobRecord", "JobView"]
 
 IntArray = npt.NDArray[np.int64]
 EMPTY: IntArray = np.zeros(0, dtype=np.int64)
+_AVOIDED = -4  # owner marker for slots a job is kept off in a trial placement
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +41,7 @@ class JobView:
     """A read-only snapshot of one job, for the UI, the simulator and tests."""
 
     job_id: str
-    state: str  # "queued", "running", "stopping", "done"
+    state: str  # "queued", "running", "stopping", "held" (suspended by its user), "done"
     size: int  # slots held now (0 when queued or done)
     slots: tuple[Hashable, ...]
     request: JobRequest
@@ -53,8 +54,8 @@ class JobRecord:
     """The scheduler's record of one job (internal; read it through ``JobView``)."""
 
     __slots__ = (
-        "first_start_t", "idx", "last_ckpt_t", "num", "preempted_for", "preemptions", "req",
-        "seq", "start_t", "state", "submit_t",
+        "avoid", "first_start_t", "idx", "last_ckpt_t", "num", "preempted_for", "preemptions",
+        "req", "seq", "start_t", "state", "submit_t",
     )
 
     def __init__(self, req: JobRequest, num: int, seq: int, now: float) -> None:
@@ -69,6 +70,7 @@ class JobRecord:
         self.idx: IntArray = EMPTY
         self.preempted_for: str | None = None
         self.preemptions = 0
+        self.avoid: frozenset[Hashable] = frozenset()  # slot ids to stay off at the next start
 
     @property
     def size(self) -> int:
@@ -122,6 +124,15 @@ class JobBook:
     def n_free(self) -> int:
         return self._state.n_free
 
+    @property
+    def n_online(self) -> int:
+        """Slots whose worker is there now (free or held)."""
+        return int(self.topo.n_slots - int(self._state.gone.sum()))
+
+    def free_slot_ids(self) -> list[Hashable]:
+        """Ids of the slots free now (online and held by no job)."""
+        return [self.topo.slot_ids[i] for i in self._state.free_indices().tolist()]
+
     def owners(self) -> list[str | None]:
         """Per slot index: the id of the job holding it, or ``None``."""
         return [
@@ -137,7 +148,7 @@ class JobBook:
         owner = self._state.owner
         held = 0
         for j in self._jobs.values():
-            if j.state in ("queued", "done"):
+            if j.state in ("queued", "held", "done"):
                 assert j.size == 0, f"{j.req.job_id} is {j.state} but holds {j.size} slots"
                 continue
             assert j.size >= j.req.min_slots or j.state == "stopping", (
@@ -207,6 +218,7 @@ class JobBook:
         self._fair.hold(j.req.team, int(idx.shape[0]))
         j.idx = idx
         j.state = "running"
+        j.avoid = frozenset()
         self._active[j.req.job_id] = j
         j.start_t = self.now
         j.last_ckpt_t = self.now
@@ -299,7 +311,22 @@ class JobBook:
         return got
 
     def _fit(self, st: SlotState, j: JobRecord, size: int | None = None) -> IntArray | None:
-        """Placement of ``j`` on ``st`` at the largest allowed size, or ``None``."""
+        """Placement of ``j`` on ``st`` at the largest allowed size, or ``None``. Slots the job
+        should avoid (``Failed``/``Released`` with ``avoid``) are used only when nothing else
+        fits."""
+        if j.avoid:
+            known = [s for s in j.avoid if s in self.topo.index]
+            idx = self.topo.indices(known) if known else EMPTY
+            idx = idx[st.owner[idx] == FREE]
+            if idx.shape[0]:
+                trial = st.copy()
+                trial.take(idx, _AVOIDED)
+                got = self._fit_free(trial, j, size)
+                if got is not None:
+                    return got
+        return self._fit_free(st, j, size)
+
+    def _fit_free(self, st: SlotState, j: JobRecord, size: int | None = None) -> IntArray | None:
         req = j.req
         r = req.layout.replica
         want = req.size if size is None else size

@@ -209,9 +209,15 @@ def place(
     )
 
 
-def check_feasible(topology: Topology, world_size: int, layout: Layout) -> None:
-    """Raise ``ValueError`` naming the fix when no free state of ``topology`` can hold the job."""
+def check_feasible(topology: Topology, world_size: int, layout: Layout, *,
+                   check_size: bool = True) -> None:
+    """Raise ``ValueError`` naming the fix when no free state of ``topology`` can hold the job.
+
+    ``check_size=False`` skips the size check, for a cluster that may still grow.
+    """
     layout.mesh_shape(world_size)
+    if not check_size:
+        return
     if layout.tp > topology.max_nvlink:
         raise ValueError(
             f"tp={layout.tp} needs an NVLink domain of {layout.tp} slots but the largest here has "

@@ -31,9 +31,15 @@ class Phase(str, enum.Enum):
 
 PHASES: tuple[Phase, ...] = (Phase.DATA, Phase.COMPUTE, Phase.COMM, Phase.OPT)
 
-#: Leading columns of a step row in the rank loop's event stream (``time`` is wall time,
-#: unused here). Kept equal to ``nbtrain.runtime.events.STEP_COLUMNS`` by a test.
+#: Columns of a step row as one rank sends it (a list, to keep messages small); a dict of the
+#: step's metrics may follow. ``time`` is wall-clock time at the end of the step.
+#: This is the only definition: the runtime, the controller and the views import it.
 ROW_COLUMNS = ("step", "time", "step_s", "data_s", "compute_s", "comm_s", "opt_s")
+#: A job's step row as the controller and the views keep it: generation and rank first.
+JOB_ROW_COLUMNS = ("generation", "rank", *ROW_COLUMNS)
+#: Positions in a job row; ``METRICS`` is the optional metrics dict after the columns.
+GEN, RANK, STEP, TIME, STEP_S, DATA_S, COMPUTE_S, COMM_S, OPT_S = range(len(JOB_ROW_COLUMNS))
+METRICS = len(JOB_ROW_COLUMNS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,4 +168,8 @@ class StepFrame:
         return cls(step=step, step_s=np.asarray(step_s, dtype=np.float64), phases=phases)
 
 
-__all__ = ["PHASES", "ROW_COLUMNS", "FloatArray", "Phase", "StepFrame", "StepRecord"]
+__all__ = [
+    "COMM_S", "COMPUTE_S", "DATA_S", "GEN", "JOB_ROW_COLUMNS", "METRICS", "OPT_S", "PHASES",
+    "RANK", "ROW_COLUMNS", "STEP", "STEP_S", "TIME", "FloatArray", "Phase", "StepFrame",
+    "StepRecord",
+]

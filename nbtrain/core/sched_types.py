@@ -26,9 +26,11 @@ __all__ = [
     "Released",
     "ResizeJob",
     "ResizeRequested",
+    "Resume",
     "SchedulerConfig",
     "StartJob",
     "Submit",
+    "Suspend",
     "Tick",
     "WorkersAdded",
     "WorkersRemoved",
@@ -115,15 +117,19 @@ class Failed:
     now: float
     job_id: str
     requeue: bool = False
+    avoid: frozenset[Hashable] = frozenset()
+    """Slot ids to stay off at the restart when others fit (the failed slot, a bad host)."""
 
 
 @dataclass(frozen=True)
 class Released:
-    """A job told to stop (``PreemptJob``) has checkpointed and let go of its slots; it queues
-    again with its original submit order."""
+    """A job told to stop (``PreemptJob``), or stopped by the engine itself (a straggler's
+    replacement), has checkpointed and let go of its slots; it queues again with its original
+    submit order, staying off ``avoid`` when other slots fit."""
 
     now: float
     job_id: str
+    avoid: frozenset[Hashable] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -137,6 +143,24 @@ class Checkpointed:
 @dataclass(frozen=True)
 class Cancelled:
     """The user withdrew a job, queued or running (the engine has stopped its ranks)."""
+
+    now: float
+    job_id: str
+
+
+@dataclass(frozen=True)
+class Suspend:
+    """The user parked a job (``job.preempt()``): a queued job leaves the queue, a running one
+    (whose ranks the engine has already checkpointed and stopped) lets go of its slots. It
+    holds nothing and waits for ``Resume``."""
+
+    now: float
+    job_id: str
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A suspended job queues again with its original submit order."""
 
     now: float
     job_id: str
@@ -158,6 +182,10 @@ class WorkersAdded:
 
     now: float
     hosts: Mapping[str, tuple[Hashable, ...]]
+    nvlink_of: Mapping[Hashable, str] = field(default_factory=dict)
+    """NVLink domain labels of new slots (see ``Topology.from_hosts``)."""
+    leaf_of: Mapping[str, str] = field(default_factory=dict)
+    """Leaf switch labels of new hosts."""
 
 
 @dataclass(frozen=True)
@@ -177,8 +205,8 @@ class Tick:
 
 
 Event = (
-    Submit | Finished | Failed | Released | Checkpointed | Cancelled | ResizeRequested
-    | WorkersAdded | WorkersRemoved | Tick
+    Submit | Finished | Failed | Released | Checkpointed | Cancelled | Suspend | Resume
+    | ResizeRequested | WorkersAdded | WorkersRemoved | Tick
 )
 
 
@@ -251,6 +279,8 @@ class SchedulerConfig:
         used to prefer fewer victims.
     placement: ``"topology"`` (nbtrain), ``"first_fit"`` or ``"random"`` (baselines).
     elastic_grow: grow elastic jobs into idle slots when nobody waits.
+    can_grow: the cluster may still grow (a live cluster whose workers come and go): a job
+        larger than the topology waits for workers instead of being rejected.
     """
 
     order: str = "priority"
@@ -265,6 +295,7 @@ class SchedulerConfig:
     placement: str = "topology"
     seed: int = 0
     elastic_grow: bool = True
+    can_grow: bool = False
 
     def __post_init__(self) -> None:
         if self.order not in ("priority", "fifo"):

@@ -61,7 +61,9 @@ from nbtrain.core.sched_types import (
     RejectJob,
     Released,
     ResizeRequested,
+    Resume,
     Submit,
+    Suspend,
     Tick,
     WorkersAdded,
     WorkersRemoved,
@@ -112,6 +114,7 @@ class Scheduler(JobBook):
             if j is not None and j.state in ("running", "stopping"):
                 self._release(j)
                 if ev.requeue:
+                    j.avoid = ev.avoid
                     self._enqueue(j)
                 else:
                     j.state = "done"
@@ -119,6 +122,17 @@ class Scheduler(JobBook):
             j = self._jobs.get(ev.job_id)
             if j is not None and j.state in ("running", "stopping"):
                 self._release(j)
+                j.avoid = ev.avoid
+                self._enqueue(j)
+        elif isinstance(ev, Suspend):
+            j = self._jobs.get(ev.job_id)
+            if j is not None and j.state != "done":
+                self._release(j)
+                self._dequeue(j)
+                j.state = "held"
+        elif isinstance(ev, Resume):
+            j = self._jobs.get(ev.job_id)
+            if j is not None and j.state == "held":
                 self._enqueue(j)
         elif isinstance(ev, Checkpointed):
             j = self._jobs.get(ev.job_id)
@@ -139,7 +153,8 @@ class Scheduler(JobBook):
                                              "submit under a new id"))
             return
         try:
-            check_feasible(self.topo, req.min_slots, req.layout)
+            check_feasible(self.topo, req.min_slots, req.layout,
+                           check_size=not self.config.can_grow)
         except ValueError as err:
             out.append(RejectJob(req.job_id, str(err)))
             return
@@ -186,7 +201,8 @@ class Scheduler(JobBook):
                    for h, slots in ev.hosts.items()}
         unknown = {h: s for h, s in unknown.items() if s}
         if unknown:
-            self._retopologize(self.topo.with_hosts(unknown))
+            self._retopologize(self.topo.with_hosts(unknown, nvlink_of=ev.nvlink_of,
+                                                    leaf_of=ev.leaf_of))
         known = [s for slots in ev.hosts.values() for s in slots]
         self._state.set_online(self.topo.indices(known))
 

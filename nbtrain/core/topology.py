@@ -22,7 +22,8 @@ Two constructors:
     ``nvlink_hosts=18`` (with ``gpus_per_host=4``) for a 72-GPU multi-host NVLink domain.
 ``Topology.from_hosts({"10.0.0.1": ["tcp://10.0.0.1:4001", ...], ...})``
     what the live engine knows: Dask workers grouped by host. Each host is one NVLink domain
-    and all hosts share one leaf unless ``leaf_of`` says otherwise (NVML discovery is later work).
+    and all hosts share one leaf unless ``nvlink_of`` and ``leaf_of`` (the workers' labels)
+    say otherwise.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class _Origin:
     kind: str
     leaf_of: Mapping[str, str] = field(default_factory=dict)
     pod_of: Mapping[str, str] = field(default_factory=dict)
+    nvlink_of: Mapping[Hashable, str] = field(default_factory=dict)
 
 
 class Topology:
@@ -221,28 +223,62 @@ class Topology:
         *,
         leaf_of: Mapping[str, str] | None = None,
         pod_of: Mapping[str, str] | None = None,
+        nvlink_of: Mapping[Hashable, str] | None = None,
         bandwidth: Bandwidth | None = None,
     ) -> Topology:
         """Slots grouped by host, as the engine sees Dask workers (one worker = one slot).
 
-        Each host is one NVLink domain (CPU slots share memory; GPUs per host are assumed
-        NVSwitch-joined until discovery says otherwise). ``leaf_of`` maps host -> leaf switch
-        label and ``pod_of`` maps leaf label -> pod label; hosts without a label share one leaf.
-        Hosts are ordered by (pod, leaf, given order); slots keep the given order within a host.
+        ``nvlink_of`` maps slot id -> NVLink domain label. Without it (or for slots it does not
+        name) a whole host is one NVLink domain (CPU slots share memory; GPUs per host are
+        NVSwitch-joined until discovery says otherwise). Labels may split a host into groups
+        (NVLink pairs) or join whole hosts into one domain (an NVL72-like rack), not both.
+        ``leaf_of`` maps host -> leaf switch label and ``pod_of`` maps leaf label -> pod label;
+        hosts without a label share one leaf. Hosts are ordered by (pod, leaf, multi-host
+        NVLink domain, given order); slots keep the given order within a host, grouped by
+        NVLink domain.
         """
         leaf_of = dict(leaf_of or {})
         pod_of = dict(pod_of or {})
+        nvlink_of = dict(nvlink_of or {})
         items = [(h, list(s)) for h, s in hosts.items() if len(s) > 0]
         if not items:
             raise ValueError(
                 "from_hosts got no slots: pass {host: [slot ids]}, e.g. Dask workers by host"
             )
+        # Labels per (host, position): a slot id listed twice is left for the constructor to
+        # report as a duplicate.
+        labels = {h: [nvlink_of.get(s) or f"host:{h}" for s in slots] for h, slots in items}
+        hosts_of_label: dict[str, set[str]] = {}
+        for h, _ in items:
+            for lab in labels[h]:
+                hosts_of_label.setdefault(lab, set()).add(h)
+        multi = {lab for lab, hs in hosts_of_label.items() if len(hs) > 1}
+        for h, _ in items:
+            distinct = set(labels[h])
+            if distinct & multi and len(distinct) > 1:
+                raise ValueError(
+                    f"host {h!r} has slots in NVLink domains {sorted(distinct)}, one of which "
+                    "spans hosts: a multi-host NVLink domain must hold whole hosts"
+                )
         leaf_label = {h: leaf_of.get(h, "") for h, _ in items}
         pod_label = {h: pod_of.get(leaf_label[h], "") for h, _ in items}
-        order = sorted(range(len(items)), key=lambda i: (pod_label[items[i][0]],
-                                                          leaf_label[items[i][0]], i))
+        for lab in multi:
+            leaves = {leaf_label[h] for h in hosts_of_label[lab]}
+            if len(leaves) > 1:
+                raise ValueError(
+                    f"NVLink domain {lab!r} spans leaf switches {sorted(leaves)}: a multi-host "
+                    "NVLink domain sits under one leaf switch"
+                )
+        first_seen: dict[str, int] = {}
+        for i, (h, _) in enumerate(items):
+            first_seen.setdefault(labels[h][0], i)
+        order = sorted(range(len(items)), key=lambda i: (
+            pod_label[items[i][0]], leaf_label[items[i][0]],
+            first_seen[labels[items[i][0]][0]], i))
         slot_ids: list[Hashable] = []
         host_of_slot: list[int] = []
+        nvl_of_slot: list[int] = []
+        nvl_index: dict[str, int] = {}
         names: list[str] = []
         leaf_of_host: list[int] = []
         leaf_index: dict[tuple[str, str], int] = {}
@@ -251,8 +287,12 @@ class Topology:
         for new_h, i in enumerate(order):
             name, slots = items[i]
             names.append(name)
-            slot_ids.extend(slots)
-            host_of_slot.extend([new_h] * len(slots))
+            host_labels = labels[name]
+            within = {lab: k for k, lab in enumerate(dict.fromkeys(host_labels))}
+            for k in sorted(range(len(slots)), key=lambda k: within[host_labels[k]]):  # stable
+                slot_ids.append(slots[k])
+                host_of_slot.append(new_h)
+                nvl_of_slot.append(nvl_index.setdefault(host_labels[k], len(nvl_index)))
             key = (pod_label[name], leaf_label[name])
             if key not in leaf_index:
                 leaf_index[key] = len(leaf_index)
@@ -261,18 +301,26 @@ class Topology:
         return cls(
             slot_ids=slot_ids,
             host_of_slot=host_of_slot,
-            nvl_of_slot=host_of_slot,
+            nvl_of_slot=nvl_of_slot,
             leaf_of_host=leaf_of_host,
             pod_of_leaf=pod_of_leaf,
             host_names=names,
             bandwidth=bandwidth,
-            origin=_Origin(kind="from_hosts", leaf_of=leaf_of, pod_of=pod_of),
+            origin=_Origin(kind="from_hosts", leaf_of=leaf_of, pod_of=pod_of,
+                           nvlink_of=nvlink_of),
         )
 
-    def with_hosts(self, hosts: Mapping[str, Sequence[Hashable]]) -> Topology:
+    def with_hosts(
+        self,
+        hosts: Mapping[str, Sequence[Hashable]],
+        *,
+        leaf_of: Mapping[str, str] | None = None,
+        nvlink_of: Mapping[Hashable, str] | None = None,
+    ) -> Topology:
         """This topology plus (or with replaced) hosts; for topologies built by ``from_hosts``.
 
-        The engine calls this when Dask workers join on a host the topology has not seen.
+        The engine calls this when Dask workers join on a host the topology has not seen;
+        ``leaf_of`` and ``nvlink_of`` label the new hosts and slots.
         """
         if self._origin.kind != "from_hosts":
             raise ValueError(
@@ -283,7 +331,9 @@ class Topology:
         for h, slots in hosts.items():
             merged[h] = list(dict.fromkeys([*merged.get(h, []), *slots]))
         return Topology.from_hosts(
-            merged, leaf_of=self._origin.leaf_of, pod_of=self._origin.pod_of,
+            merged, leaf_of={**self._origin.leaf_of, **(leaf_of or {})},
+            pod_of=self._origin.pod_of,
+            nvlink_of={**self._origin.nvlink_of, **(nvlink_of or {})},
             bandwidth=self.bandwidth,
         )
 

@@ -1,11 +1,19 @@
-"""``connect()`` and ``Cluster``: the notebook's handle on a Dask cluster of slots."""
+"""``connect()`` and ``Cluster``: a client's handle on a Dask cluster of slots and its jobs.
+
+The jobs live in the cluster's controller (a Dask scheduler plugin, see
+:mod:`nbtrain.engine.controller`); ``connect()`` registers it if no client has yet, so every
+client of one scheduler shares one queue. A ``Cluster`` submits, lists and attaches to jobs;
+closing it ends nothing on an external cluster.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import getpass
 import html
 import logging
 import os
+import secrets
 import uuid
 import weakref
 from typing import Any
@@ -15,18 +23,25 @@ import dask.config
 from distributed import Client, LocalCluster
 
 from nbtrain.config import Settings
+from nbtrain.core.checkpoint_policy import parse_checkpoint_setting
+from nbtrain.core.faults import Fault
 from nbtrain.core.job import JobSpec
+from nbtrain.core.lifecycle_types import JobPolicy, JobSubmission
 from nbtrain.core.mitigation import MitigationSettings, make_policy
-from nbtrain.engine.checkpoints import job_url
-from nbtrain.engine.controller import Controller
-from nbtrain.engine.embedded import EmbeddedCluster, WarmUp
+from nbtrain.engine.checkpoints import job_url, resolve_resume
+from nbtrain.engine.controller import ClusterController
+from nbtrain.engine.embedded import EmbeddedCluster
 from nbtrain.engine.job import JobHandle
-from nbtrain.runtime.faults import Fault
-from nbtrain.runtime.recipe import Recipe
+from nbtrain.engine.remote import Follower, Remote
+from nbtrain.engine.tokens import TokenStore
+from nbtrain.engine.wire import submission_to_wire
+from nbtrain.engine.workers import NbtrainWorker
 
-#: Dask settings for embedded rank workers. On two cores Dask's statistical profiler (every
-#: 10 ms) and its monitors compete with the ranks for CPU: measured ~0.89 of torchrun's step
-#: rate with the defaults, ~0.97 with these (benchmarks/overhead.py).
+__all__ = ["QUIET_WORKER_CONFIG", "Cluster", "connect", "default_worker_count"]
+
+#: Dask settings for embedded rank workers, applied before they start (the worker plugin
+#: quiets the profiler and monitors of any cluster's workers after they start; the GIL
+#: monitor can only be turned off before).
 QUIET_WORKER_CONFIG = {
     "distributed.worker.profile.enabled": False,
     "distributed.admin.system-monitor.interval": "2s",
@@ -41,39 +56,80 @@ def default_worker_count() -> int:
 
 
 class Cluster:
-    """Slots (Dask workers) and the jobs running on them."""
+    """Slots (Dask workers) and the jobs running on them, as one client sees them."""
 
     def __init__(self, client: Client, *, local: LocalCluster | None = None,
-                 owns_client: bool = False, settings: Settings | None = None) -> None:
+                 owns_client: bool = False, settings: Settings | None = None,
+                 operator_token: str = "") -> None:
         self.client = client
         self.settings = settings or Settings.load()
         self._local = local
         self._owns_client = owns_client
-        self._controller = Controller(client, self.settings)
+        self._remote = Remote(client, operator_token)
+        self._follower = Follower(self._remote)
+        self._tokens = TokenStore(self.settings.token_file)
+        self._handles: weakref.WeakValueDictionary[str, JobHandle] = (
+            weakref.WeakValueDictionary())
         self._closed = False
-        self._finalizer = weakref.finalize(self, _close_quietly, self._controller, client,
-                                           local, owns_client)
+        self._finalizer = weakref.finalize(self, _close_quietly, self._follower, client, local,
+                                           owns_client)
 
     # -- slots ----------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """The controller's view of the cluster: ``slots`` (slot, host, nvlink, address,
+        state, job), ``jobs`` (statuses), ``queue`` (job ids in order), ``team_usage``
+        (slot-seconds per team), ``log`` (recent cluster events: workers, restarts)."""
+        return dict(self._remote.call("nbtrain_cluster"))
+
     @property
     def slots(self) -> list[str]:
-        slots, _, _ = self._controller.snapshot()
-        return sorted(slots)
+        """Worker addresses of the slots that have a worker now."""
+        return sorted(s["address"] for s in self.snapshot()["slots"]
+                      if s["address"] and s["state"] in ("free", "held"))
 
     @property
     def free_slots(self) -> list[str]:
-        slots, owner, _ = self._controller.snapshot()
-        return sorted(a for a in slots if a not in owner)
+        return sorted(s["address"] for s in self.snapshot()["slots"] if s["state"] == "free")
 
     @property
     def jobs(self) -> list[JobHandle]:
-        return self._controller.snapshot()[2]
+        """Every job the cluster's controller knows, from every client, in submit order."""
+        listing = self._remote.call("nbtrain_jobs")["jobs"]
+        return [self._handle_for(status) for status in listing]
+
+    def job(self, key: str, *, token: str | None = None) -> JobHandle:
+        """Attach to a job by id or name (the newest of that name), from any client.
+
+        Its metrics, events and dashboard work as on the submitting client. It can be
+        steered with its ``token`` (found automatically when this user submitted it, see
+        ``Settings.token_file``) or as the operator; otherwise the handle only watches.
+        """
+        info = self._remote.call("nbtrain_job", key=key)
+        handle = self._handle_for(info["status"], spec=info["spec"],
+                                  checkpoint_url=info["checkpoint_url"])
+        if token is not None:
+            handle._token = token
+        return handle
+
+    def _handle_for(self, status: dict[str, Any], *, spec: dict[str, Any] | None = None,
+                    checkpoint_url: str = "") -> JobHandle:
+        job_id = str(status["job_id"])
+        existing = self._handles.get(job_id)
+        if existing is not None:
+            return existing
+        if spec is None:
+            info = self._remote.call("nbtrain_job", key=job_id)
+            spec, checkpoint_url = info["spec"], info["checkpoint_url"]
+        handle = JobHandle(JobSpec(**spec), self, checkpoint_url=checkpoint_url, status=status,
+                           token=self._tokens.get(self.address, job_id))
+        self._handles[job_id] = handle
+        return handle
 
     def scale(self, n: int) -> None:
         """Change the number of workers of an embedded cluster (slots join or leave)."""
         if self._local is None:
             raise RuntimeError("scale() works on an embedded cluster; scale yours with its own "
-                               "deployment tools")
+                               "deployment tools (dask-jobqueue, dask-kubernetes, ...)")
         self._local.scale(n)
 
     def dashboard(self, display: str | None = None, **options: Any) -> Any:
@@ -84,7 +140,7 @@ class Cluster:
         return cluster_dashboard(self, display=display, **options)
 
     # -- jobs -----------------------------------------------------------------------------
-    def submit(self, recipe: Recipe, *, world_size: int, steps: int, name: str | None = None,
+    def submit(self, recipe: Any, *, world_size: int, steps: int, name: str | None = None,
                queue: bool = True, seed: int = 0, priority: int = 0,
                team: str = "default", checkpoint: int | str | None = "auto",
                resume: str | None = None, max_restarts: int = 3,
@@ -93,9 +149,14 @@ class Cluster:
                stragglers: str | MitigationSettings = "alert") -> JobHandle:
         """Start ``recipe`` on ``world_size`` slots at once (gang), or queue it.
 
-        Returns a :class:`JobHandle` immediately; training runs in the background.
+        Returns a :class:`JobHandle` immediately; training runs in the background, in the
+        cluster, and goes on if this kernel stops.
 
         - ``queue=False``: a job that cannot start now raises ValueError instead of waiting.
+        - ``priority``: higher runs first and may preempt lower-priority jobs (they
+          checkpoint, release their slots and resume later); up to the cluster's
+          ``priority_ceiling`` without the operator token. ``team``: fair share between
+          teams of equal priority (``Settings.team_weights``).
         - ``checkpoint``: ``"auto"`` (Young/Daly interval from the measured cost), an int N
           (every N steps), a duration (``"10m"``), or None (on demand, stop, preemption only).
         - ``resume``: ``"latest"`` (newest committed checkpoint of a job with this ``name``),
@@ -119,18 +180,42 @@ class Cluster:
                        world_size=world_size, steps=steps, queue=queue, seed=seed,
                        priority=priority, team=team, checkpoint=checkpoint, resume=resume,
                        max_restarts=max_restarts, restart_window_s=restart_window_s)
+        parse_checkpoint_setting(spec.checkpoint)  # raises ValueError naming the fix
         payload = _pickle_recipe(recipe)
-        url = job_url(self.settings.checkpoint_root, spec.name, job_id)
         mitigation = (stragglers if isinstance(stragglers, MitigationSettings)
                       else MitigationSettings(policy=stragglers))
-        make_policy(mitigation)  # unknown names fail here, not on the controller thread
-        job = JobHandle(spec, payload, self._controller, url, faults, mitigation)
-        self._controller.submit(job)
-        return job
+        make_policy(mitigation)  # unknown names fail here, not in the controller
+        s = self.settings
+        url = job_url(s.checkpoint_root, spec.name, job_id)
+        restore = resolve_resume(s.checkpoint_root, spec.name, resume) if resume else None
+        resume_step = 0
+        if restore is not None:
+            from nbtrain.runtime.storage import CheckpointStore
+
+            committed = [c for c in CheckpointStore(restore[0]).committed()
+                         if restore[1] is None or c <= restore[1]]
+            resume_step = max(committed, default=0)
+        sub = JobSubmission(
+            spec=spec, owner=_whoami(), mitigation=mitigation, faults=tuple(faults or ()),
+            policy=JobPolicy(hang_factor=s.hang_factor, hang_floor_s=s.hang_floor_s,
+                             peer_release_s=s.peer_release_s,
+                             failure_grace_s=s.failure_grace_s),
+            resume_step=resume_step)
+        reply = self._remote.call(
+            "nbtrain_submit", job=submission_to_wire(sub), recipe=payload,
+            settings=s.to_dict(), checkpoint_url=url,
+            restore=list(restore) if restore else None, token=self._remote.operator_token)
+        token = str(reply["token"])
+        self._tokens.put(self.address, job_id, token)
+        handle = JobHandle(spec, self, token=token, checkpoint_url=url, status=reply["status"])
+        self._handles[job_id] = handle
+        handle._follow()
+        return handle
 
     # -- lifecycle ------------------------------------------------------------------------
     def close(self) -> None:
-        """Cancel running jobs and shut down what ``connect()`` started."""
+        """Disconnect. An embedded cluster shuts down with its jobs; on an external cluster
+        the jobs go on (attach again with ``connect(address).job(name)``)."""
         self._closed = True
         self._finalizer()
 
@@ -143,67 +228,101 @@ class Cluster:
     @property
     def address(self) -> str:
         """The Dask scheduler's address."""
-        return str(self.client.scheduler_info(n_workers=0).get("address", "?"))
+        return str(self.client.scheduler.address)  # type: ignore[union-attr]
+
+    @property
+    def dashboard_link(self) -> str:
+        """Dask's own dashboard."""
+        return str(self.client.dashboard_link)
 
     def __repr__(self) -> str:
-        return (f"<nbtrain.Cluster {self.address} slots={len(self.slots)} "
-                f"free={len(self.free_slots)} jobs={len(self.jobs)}>")
+        snap = self.snapshot()
+        online = [s for s in snap["slots"] if s["state"] in ("free", "held")]
+        free = [s for s in online if s["state"] == "free"]
+        return (f"<nbtrain.Cluster {self.address} slots={len(online)} free={len(free)} "
+                f"jobs={len(snap['jobs'])}>")
 
     def _repr_html_(self) -> str:
-        slots, owner, jobs = self._controller.snapshot()
-        names = {j.id: j.name for j in jobs}
+        snap = self.snapshot()
+        names = {j["job_id"]: j["name"] for j in snap["jobs"]}
+        online = [s for s in snap["slots"] if s["address"]]
         rows = "".join(
-            f"<tr><td>{html.escape(a)}</td><td>{html.escape(s.host)}</td>"
-            f"<td>{html.escape(names.get(owner.get(a, ''), 'free'))}</td></tr>"
-            for a, s in sorted(slots.items())
+            f"<tr><td>{html.escape(s['address'])}</td><td>{html.escape(s['host'])}</td>"
+            f"<td>{html.escape(names.get(s['job'] or '', s['state']))}</td></tr>"
+            for s in sorted(online, key=lambda s: s["address"])
         )
         job_rows = "".join(
-            f"<tr><td>{html.escape(j.name)}</td><td>{j.status.value}</td>"
-            f"<td>{j.step}/{j.spec.steps}</td><td>{html.escape(j.reason)}</td></tr>"
-            for j in jobs
+            f"<tr><td>{html.escape(j['name'])}</td><td>{j['state']}</td>"
+            f"<td>{j['step']}/{j['steps']}</td><td>{html.escape(j['owner'])}</td>"
+            f"<td>{html.escape(j['reason'])}</td></tr>"
+            for j in snap["jobs"]
         )
+        free = sum(1 for s in online if s["state"] == "free")
         return (
             f"<div><b>nbtrain cluster</b> at {html.escape(self.address)}: "
-            f"{len(slots)} slots, {len(slots) - len(owner)} free, {len(jobs)} jobs"
+            f"{len(online)} slots, {free} free, {len(snap['jobs'])} jobs"
             f"<table><tr><th>slot (worker)</th><th>host</th><th>job</th></tr>{rows}</table>"
-            + (f"<table><tr><th>job</th><th>state</th><th>step</th><th>reason</th></tr>"
-               f"{job_rows}</table>" if jobs else "")
+            + (f"<table><tr><th>job</th><th>state</th><th>step</th><th>owner</th>"
+               f"<th>reason</th></tr>{job_rows}</table>" if snap["jobs"] else "")
             + "</div>"
         )
 
 
 def connect(address: str | Client | None = None, *, n_workers: int | None = None,
-            settings: Settings | None = None, **cluster_kwargs: Any) -> Cluster:
-    """Connect to a cluster of slots.
+            settings: Settings | None = None, operator_token: str | None = None,
+            security: Any = None, **cluster_kwargs: Any) -> Cluster:
+    """Connect to a cluster of slots, starting nbtrain's controller there if needed.
 
-    - ``connect()``: start an embedded ``LocalCluster`` (worker processes, one thread each,
-      ``n_workers`` slots; by default one per core, 2 to 8), shut down with this process.
-    - ``connect("tcp://host:8786")``: an existing Dask scheduler.
-    - ``connect(client)``: an existing ``distributed.Client`` (left open on close).
+    - ``connect()``: start an embedded ``LocalCluster`` on this machine's loopback interface
+      (worker processes, one thread each, ``n_workers`` slots; by default one per core, 2 to
+      8), shut down with this process. This client is its operator.
+    - ``connect("tcp://host:8786")``: an existing Dask scheduler (``security=`` a
+      ``distributed.Security`` for TLS).
+    - ``connect(client)``: an existing ``distributed.Client`` (left open on close), e.g. of a
+      dask-jobqueue or dask-kubernetes cluster.
+
+    ``operator_token``: steer every job and submit above the priority ceiling (default:
+    ``Settings.operator_token``). The first client to connect starts the controller with its
+    settings; later ones join it.
     """
     settings = settings or Settings.load()
+    token = settings.operator_token if operator_token is None else operator_token
+    local: LocalCluster | None = None
     if isinstance(address, Client):
-        return Cluster(address, settings=settings)
-    if isinstance(address, str):
-        return Cluster(Client(address), owns_client=True, settings=settings)
-    if address is not None:
+        client, owns = address, False
+    elif isinstance(address, str):
+        client, owns = Client(address, security=security, set_as_default=False), True
+    elif address is not None:
         raise TypeError(f"address must be a scheduler address, a Client or None, got {address!r}")
-    n = default_worker_count() if n_workers is None else n_workers
-    if n < 1:
-        raise ValueError(f"n_workers must be >= 1, got {n}")
-    config = QUIET_WORKER_CONFIG if settings.quiet_workers else {}
-    kwargs: dict[str, Any] = {"dashboard_address": ":0", "silence_logs": logging.CRITICAL}
-    kwargs.update(cluster_kwargs)
-    with dask.config.set(config):
-        local = EmbeddedCluster(n_workers=n, threads_per_worker=1, processes=True, **kwargs)
-        client = Client(local)
-    client.register_plugin(WarmUp())
-    client.wait_for_workers(n, timeout=120)
-    # weakref.finalize also runs at interpreter exit, so the embedded cluster never outlives us.
-    return Cluster(client, local=local, owns_client=True, settings=settings)
+    else:
+        n = default_worker_count() if n_workers is None else n_workers
+        if n < 1:
+            raise ValueError(f"n_workers must be >= 1, got {n}")
+        token = token or secrets.token_hex(16)  # the embedded cluster's owner is its operator
+        config = QUIET_WORKER_CONFIG if settings.quiet_workers else {}
+        kwargs: dict[str, Any] = {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0",
+                                  "silence_logs": logging.CRITICAL}
+        kwargs.update(cluster_kwargs)
+        with dask.config.set(config):
+            local = EmbeddedCluster(n_workers=n, threads_per_worker=1, processes=True, **kwargs)
+            client = Client(local, set_as_default=False)
+        owns = True
+    client.register_plugin(ClusterController(settings.replace(operator_token=token)))
+    client.register_plugin(NbtrainWorker(quiet=settings.quiet_workers))
+    if local is not None:
+        client.wait_for_workers(len(local.workers), timeout=120)
+    return Cluster(client, local=local, owns_client=owns, settings=settings,
+                   operator_token=token)
 
 
-def _pickle_recipe(recipe: Recipe) -> bytes:
+def _whoami() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no user name in some containers
+        return "unknown"
+
+
+def _pickle_recipe(recipe: Any) -> bytes:
     try:
         payload = cloudpickle.dumps(recipe)
         cloudpickle.loads(payload)
@@ -216,13 +335,12 @@ def _pickle_recipe(recipe: Recipe) -> bytes:
     return payload
 
 
-def _close_quietly(controller: Controller, client: Client, local: LocalCluster | None,
+def _close_quietly(follower: Follower, client: Client, local: LocalCluster | None,
                    owns_client: bool) -> None:
-    for close in (controller.close,
-                  client.close if owns_client else None,
+    follower.close()
+    for close in (client.close if owns_client else None,
                   local.close if local is not None else None):
         if close is None:
             continue
         with contextlib.suppress(Exception):
             close()
-

@@ -1,4 +1,11 @@
-"""``JobHandle``: the notebook's handle on one job. Every method returns at once."""
+"""``JobHandle``: a notebook's handle on one job. Every method returns at once.
+
+The job lives in the cluster's controller (inside the Dask scheduler); the handle mirrors what
+the controller says about it, kept current by the cluster's follower thread, and sends the
+user's requests. Any client of the cluster can hold a handle on any job (``cluster.jobs``,
+``cluster.job(name)``); only the handle that submitted it, a client holding its token, or the
+cluster's operator may steer it.
+"""
 
 from __future__ import annotations
 
@@ -6,21 +13,20 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from nbtrain.core.goodput import GoodputLedger
+from nbtrain.core.faults import Fault
 from nbtrain.core.job import JobSpec, JobState
-from nbtrain.core.mitigation import MitigationSettings
+from nbtrain.core.records import JOB_ROW_COLUMNS
 from nbtrain.core.straggler import StragglerSettings
-from nbtrain.engine.stragglers import StragglerWatch
-from nbtrain.runtime.events import STEP_COLUMNS
-from nbtrain.runtime.faults import Fault
 
 if TYPE_CHECKING:
-    from nbtrain.engine.controller import Controller
+    from nbtrain.engine.cluster import Cluster
+
+__all__ = ["JobFailedError", "JobHandle"]
 
 
 class JobFailedError(RuntimeError):
@@ -28,43 +34,26 @@ class JobFailedError(RuntimeError):
 
 
 class JobHandle:
-    """Live view and controls of one job. State is written by the controller thread only."""
+    """Live view and controls of one job (a mirror of the controller's record)."""
 
-    def __init__(self, spec: JobSpec, recipe: bytes, controller: Controller,
-                 checkpoint_url: str, faults: list[Fault] | None = None,
-                 mitigation: MitigationSettings | None = None) -> None:
+    def __init__(self, spec: JobSpec, cluster: Cluster | None = None, *, token: str = "",
+                 checkpoint_url: str = "", status: Mapping[str, Any] | None = None) -> None:
         self.spec = spec
-        self._recipe = recipe
-        self._controller = controller
+        self._cluster = cluster
+        self._token = token
+        self._checkpoint_url = checkpoint_url
         self._lock = threading.RLock()
         self._done = threading.Event()
-        self._state = JobState.QUEUED
-        self._reason = "waiting for the scheduler"
-        self._generation = -1
-        self._slots: list[str] = []
-        self._rows: list[tuple[Any, ...]] = []  # (gen, rank, *STEP_COLUMNS, metrics)
+        self._status: dict[str, Any] = dict(status or {})
+        self._rows: list[tuple[Any, ...]] = []  # JOB_ROW_COLUMNS, then the metrics dict
+        self._rows_pos = 0  # absolute position of the next row to fetch
         self._events: list[dict[str, Any]] = []
+        self._events_pos = 0
+        self._ends = (0, 0)  # the controller's rows and events ends at the last update
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
-        self._step = 0
-        self._error: str | None = None
-        self.submitted_at = time.time()
-        self.started_at: float | None = None
-        self.ended_at: float | None = None
-        # Controller-owned bookkeeping (written on the controller thread only).
-        self._ckpt_url = checkpoint_url
-        self._restore: tuple[str, int | None] | None = None
-        self._faults: list[Fault] = list(faults or [])
-        self._fired: set[str] = set()
-        self._fault_log: list[dict[str, Any]] = []
-        self._restarts: list[float] = []
-        self._recovering = ""
-        self._avoid_slots: set[str] = set()
-        self._stop_requested = False
-        self._preempt_requested = False
-        self._checkpoint_seq = 0
-        self._ledger = GoodputLedger(time.monotonic())
-        self._stragglers = StragglerWatch(spec.world_size, mitigation=mitigation)
-        self._replace: dict[str, str] | None = None
+        self._following = False
+        self._problem: str | None = None
+        self.submitted_at = float(self._status.get("submitted") or time.time())
 
     # -- identity -----------------------------------------------------------------------
     @property
@@ -75,57 +64,83 @@ class JobHandle:
     def name(self) -> str:
         return self.spec.name
 
+    @property
+    def token(self) -> str:
+        """The secret that lets a client steer this job (empty on a handle that only
+        watches). ``cluster.job(name, token=...)`` in another kernel steers with it."""
+        return self._token
+
+    @property
+    def owner(self) -> str:
+        return str(self._get("owner", ""))
+
     # -- state (read from any thread) ---------------------------------------------------
+    def _get(self, key: str, default: Any = None) -> Any:
+        self._follow()
+        with self._lock:
+            return self._status.get(key, default)
+
     @property
     def status(self) -> JobState:
-        with self._lock:
-            return self._state
+        return JobState(self._get("state", JobState.QUEUED.value))
 
     @property
     def reason(self) -> str:
         """Why the job is in its state: what it waits for, or how it ended."""
-        with self._lock:
-            return self._reason
+        return str(self._get("reason", "waiting for the scheduler"))
 
     @property
     def generation(self) -> int:
-        with self._lock:
-            return self._generation
+        return int(self._get("generation", -1))
 
     @property
     def slots(self) -> list[str]:
         """Dask worker addresses, index = rank (empty while not holding slots)."""
-        with self._lock:
-            return list(self._slots)
+        return list(self._get("slots", []))
 
     @property
     def step(self) -> int:
         """Steps completed (as last reported by rank 0)."""
-        with self._lock:
-            return self._step
+        return int(self._get("step", 0))
 
     @property
     def error(self) -> str | None:
         """The failure report (rank, step, remote traceback) when FAILED."""
-        with self._lock:
-            return self._error
+        value = self._get("error")
+        return None if value is None else str(value)
+
+    @property
+    def restarts(self) -> int:
+        return int(self._get("restarts", 0))
+
+    @property
+    def started_at(self) -> float | None:
+        return self._get("started")
+
+    @property
+    def ended_at(self) -> float | None:
+        return self._get("ended")
 
     @property
     def done(self) -> bool:
+        self._follow()
         return self._done.is_set()
 
     @property
     def events(self) -> list[dict[str, Any]]:
-        """Non-step events (rank started/finished/failed, state changes), oldest first."""
+        """Non-step events (ranks started/finished/failed, state changes, checkpoints,
+        faults, stragglers), oldest first."""
+        self._follow()
         with self._lock:
             return list(self._events)
 
     @property
     def metrics(self) -> pd.DataFrame:
         """One row per rank per step: phase times in seconds and the recipe's metrics."""
+        self._follow()
         with self._lock:
             rows = list(self._rows)
-        base = ["generation", "rank", *STEP_COLUMNS]
+        base = list(JOB_ROW_COLUMNS)
         if not rows:
             return pd.DataFrame(columns=base)
         frame = pd.DataFrame([r[: len(base)] for r in rows], columns=base)
@@ -137,29 +152,57 @@ class JobHandle:
     @property
     def row_count(self) -> int:
         """Step rows received so far (all ranks and generations)."""
+        self._follow()
         with self._lock:
             return len(self._rows)
 
     def rows_since(self, index: int) -> tuple[list[tuple[Any, ...]], int]:
         """Step rows appended after position ``index``, and the new position (for live views)."""
+        self._follow()
         with self._lock:
             return self._rows[index:], len(self._rows)
 
     def subscribe(self, listener: Callable[[dict[str, Any]], None]) -> None:
-        """Call ``listener(event)`` for each future non-step event (on the controller thread:
-        keep it short and thread-safe)."""
+        """Call ``listener(event)`` for each future non-step event (on the cluster's follower
+        thread: keep it short and thread-safe)."""
         with self._lock:
             self._listeners.append(listener)
 
+    @property
+    def faults(self) -> list[dict[str, Any]]:
+        """Faults seen so far: what, its cause, rank, host, step, detection latency, recovery
+        time, steps lost."""
+        return [dict(f) for f in self._get("faults", [])]
+
+    @property
+    def alerts(self) -> list[dict[str, Any]]:
+        """Straggler verdicts (suspect / confirmed / cleared, with rank, phase, ratio, since
+        and a hint) and the mitigation policy's actions, oldest first."""
+        return [e for e in self.events if e["kind"] in ("straggler", "mitigation")]
+
+    def goodput(self) -> dict[str, float]:
+        """Wall time split into productive steps, queueing, startup, checkpoint blocking,
+        recovery and lost (recomputed) work, in seconds, plus the productive fraction (as of
+        the controller's last word, at most a couple of seconds old while the job runs)."""
+        return dict(self._get("goodput", {}))
+
     # -- controls -----------------------------------------------------------------------
+    def _request(self, what: str, arg: Any = None) -> None:
+        if self._cluster is None:
+            raise RuntimeError(f"job {self.name}: this handle is not attached to a cluster")
+        reply = self._cluster._remote.call("nbtrain_request", job_id=self.id, what=what,
+                                           arg=arg, token=self._token
+                                           or self._cluster._remote.operator_token)
+        self._apply({"status": reply["status"]})
+
     def stop(self) -> None:
         """Stop at the next step boundary (or leave the queue) and release the slots."""
-        self._controller.request(self, "stop")
+        self._request("stop")
 
     def preempt(self) -> None:
         """Checkpoint at the next step boundary, wait for it to commit, release every slot
         (state PREEMPTED). :meth:`resume` continues from that checkpoint."""
-        self._controller.request(self, "preempt")
+        self._request("preempt")
 
     def resume(self) -> None:
         """Queue a PREEMPTED job again; it continues from its newest committed checkpoint."""
@@ -169,11 +212,11 @@ class JobHandle:
                 f"job {self.name} is {state.value}: only a PREEMPTED job can resume(); to "
                 f"continue an ended job submit it again with resume='latest'"
             )
-        self._controller.request(self, "resume")
+        self._request("resume")
 
     def checkpoint(self) -> None:
         """Take a checkpoint at the next agreed step boundary (asynchronously)."""
-        self._controller.request(self, "checkpoint")
+        self._request("checkpoint")
 
     def inject(self, kind: str, rank: int, *, step: int | None = None, factor: float = 2.0,
                duration_s: float | None = None) -> Fault:
@@ -187,53 +230,30 @@ class JobHandle:
             raise ValueError(f"rank must be in 0..{self.spec.world_size - 1}, got {rank}")
         fault = Fault(kind=kind, rank=rank, step=step,
                       factor=factor if kind == "slow" else 1.0, duration_s=duration_s)
-        self._controller.request(self, "inject", fault)
+        self._request("inject", fault.to_dict())
         return fault
+
+    def tune_stragglers(self, **changes: Any) -> None:
+        """Change straggler-detector thresholds while the job runs (fields of
+        ``nbtrain.core.straggler.StragglerSettings``: ratio, window, suspect_votes, ...)."""
+        dataclasses.replace(StragglerSettings(), **changes)  # validate now, in the caller
+        self._request("stragglers", changes)
 
     @property
     def checkpoint_dir(self) -> str:
         """This job's checkpoint directory (local path or fsspec URL)."""
-        return self._ckpt_url
+        return self._checkpoint_url
 
     @property
     def checkpoints(self) -> list[dict[str, Any]]:
         """Committed checkpoints of this job, newest first: step, bytes, created, url."""
         from nbtrain.engine.checkpoints import committed_checkpoints
 
-        return committed_checkpoints(self._ckpt_url)
-
-    @property
-    def faults(self) -> list[dict[str, Any]]:
-        """Faults seen so far: what, rank, host, step, detection latency, recovery time."""
-        with self._lock:
-            return [{k: v for k, v in f.items() if k != "detected_mono"}
-                    for f in self._fault_log]
-
-    @property
-    def alerts(self) -> list[dict[str, Any]]:
-        """Straggler verdicts (suspect / confirmed / cleared, with rank, phase, ratio, since
-        and a hint) and the mitigation policy's actions, oldest first."""
-        return [e for e in self.events if e["kind"] in ("straggler", "mitigation")]
-
-    def tune_stragglers(self, **changes: Any) -> None:
-        """Change straggler-detector thresholds while the job runs (fields of
-        ``nbtrain.core.straggler.StragglerSettings``: ratio, window, suspect_votes, ...)."""
-
-
-        dataclasses.replace(StragglerSettings(), **changes)  # validate now, in the caller
-        self._controller.request(self, "stragglers", changes)
-
-    @property
-    def restarts(self) -> int:
-        return len(self._restarts)
-
-    def goodput(self) -> dict[str, float]:
-        """Wall time split into productive steps, queueing, startup, checkpoint blocking,
-        recovery and lost (recomputed) work, in seconds, plus the productive fraction."""
-        return self._ledger.snapshot(time.monotonic()).as_dict()
+        return committed_checkpoints(self._checkpoint_url)
 
     def wait(self, timeout: float | None = None) -> JobState:
         """Block until the job ends; return its final state. Raises TimeoutError."""
+        self._follow()
         if not self._done.wait(timeout):
             raise TimeoutError(
                 f"job {self.name} still {self.status.value} after {timeout} s "
@@ -267,34 +287,59 @@ class JobHandle:
 
         return write_report(self, path)
 
-    # -- controller side (called on the controller thread) --------------------------------
-    def _set_state(self, state: JobState, reason: str) -> None:
+    # -- the mirror (fed by the cluster's follower thread) --------------------------------
+    def _follow(self) -> None:
+        if not self._following and self._cluster is not None and not self._done.is_set():
+            self._following = True
+            self._cluster._follower.follow(self)
+
+    def _cursor(self) -> tuple[int, int]:
         with self._lock:
-            if self._state is state and self._reason == reason:
-                return
-            self._state = state
-            self._reason = reason
-            if state.terminal:
-                self.ended_at = time.time()
-        self._add_event({"kind": "state", "state": state.value, "reason": reason})
-        if state.terminal:
+            return self._rows_pos, self._events_pos
+
+    def _drained(self) -> bool:
+        return self._done.is_set()
+
+    def _connection_problem(self, exc: BaseException) -> None:
+        with self._lock:
+            self._problem = f"{type(exc).__name__}: {exc}"
+
+    def _apply(self, update: Mapping[str, Any]) -> None:
+        """Take what the controller sent: rows and events after our positions, the status."""
+        if update.get("gone"):
+            with self._lock:
+                if not JobState(self._status.get("state", "QUEUED")).terminal:
+                    self._status["state"] = JobState.CANCELLED.value
+                    self._status["reason"] = "the controller no longer knows this job"
             self._done.set()
-
-    def _add_event(self, event: dict[str, Any]) -> None:
-        event.setdefault("time", time.time())
+            return
+        new_events: list[dict[str, Any]] = []
         with self._lock:
-            self._events.append(event)
+            self._problem = None
+            rows = update.get("rows") or []
+            if rows:
+                at = int(update.get("rows_at", self._rows_pos))
+                self._rows.extend(tuple(r) for r in rows)
+                self._rows_pos = at + len(rows)
+            events = update.get("events") or []
+            if events:
+                at = int(update.get("events_at", self._events_pos))
+                new_events = [dict(e) for e in events]
+                self._events.extend(new_events)
+                self._events_pos = at + len(events)
+            if "status" in update:
+                self._status = dict(update["status"])
+            ends = (int(update.get("rows_end", self._rows_pos)),
+                    int(update.get("events_end", self._events_pos)))
+            drained = self._rows_pos >= ends[0] and self._events_pos >= ends[1]
+            terminal = JobState(self._status.get("state", "QUEUED")).terminal
             listeners = list(self._listeners)
-        for listener in listeners:
-            with contextlib.suppress(Exception):  # a broken view must not break the controller
-                listener(event)
-
-    def _add_rows(self, generation: int, rank: int, rows: list[list[Any]]) -> None:
-        with self._lock:
-            for row in rows:
-                self._rows.append((generation, rank, *row))
-            if rank == 0 and rows:
-                self._step = max(self._step, int(rows[-1][0]))
+        for event in new_events:
+            for listener in listeners:
+                with contextlib.suppress(Exception):  # a broken view must not stop following
+                    listener(event)
+        if terminal and drained:
+            self._done.set()
 
     # -- notebook display -----------------------------------------------------------------
     def __repr__(self) -> str:
@@ -309,9 +354,11 @@ class JobHandle:
                   "QUEUED": "#a80"}.get(state, "#666")
         err = (f"<pre style='max-height:12em;overflow:auto'>{html.escape(self.error)}</pre>"
                if self.error else "")
+        owner = f", owner {html.escape(self.owner)}" if self.owner else ""
         return (
             f"<div><b>nbtrain job {html.escape(self.name)}</b> "
             f"<span style='color:{colour}'>{state}</span> — step {self.step}/{self.spec.steps}, "
-            f"world size {self.spec.world_size}, generation {max(self.generation, 0)}<br>"
-            f"<i>{html.escape(self.reason)}</i>{err}</div>"
+            f"world size {self.spec.world_size}, generation {max(self.generation, 0)}{owner}"
+            f"<br><i>{html.escape(self.reason)}</i>{err}</div>"
         )
+

@@ -14,30 +14,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from nbtrain.core.checkpoint_policy import CheckpointPolicy, CheckpointPolicyConfig
+from nbtrain.core.checkpoint_policy import CheckpointPolicy
 from nbtrain.runtime.async_ckpt import AsyncCheckpointer, SaveResult
+from nbtrain.runtime.launch import CheckpointPlan
 from nbtrain.runtime.loader import ShardedLoader
 from nbtrain.runtime.rng import capture_rng_state, restore_rng_state
 from nbtrain.runtime.snapshot import load_state
 from nbtrain.runtime.storage import CheckpointStore
 
-
-@dataclass(frozen=True)
-class CheckpointPlan:
-    """Where this generation writes and reads checkpoints (decided by the engine)."""
-
-    url: str  # this job's own checkpoint directory
-    policy: CheckpointPolicyConfig
-    keep: int = 3
-    restore_url: str | None = None  # where to resume from (None: fresh start)
-    restore_at_or_before: int | None = None
-    commit_timeout_s: float = 300.0
+__all__ = ["CheckpointPlan", "RankCheckpointing"]
 
 
 class RankCheckpointing:
@@ -61,10 +51,10 @@ class RankCheckpointing:
     def restore(self) -> tuple[int, list[tuple[int, str]]]:
         """Load the agreed newest committed checkpoint; returns (step, skipped) — step 0 when
         starting fresh."""
-        if self.plan.restore_url is None:
+        chosen = self._restore_source()
+        if chosen is None:
             return 0, []
-        source = CheckpointStore(self.plan.restore_url, keep=self.plan.keep)
-        at = self.plan.restore_at_or_before
+        source, at = chosen
         skipped: list[tuple[int, str]] = []
         while True:
             result = source.restore_latest(self.rank, world_size=self.world_size,
@@ -93,6 +83,17 @@ class RankCheckpointing:
         self.policy = CheckpointPolicy(self.plan.policy, now=time.monotonic(), step=step)
         self.last_saved_step = step
         return step, skipped
+
+    def _restore_source(self) -> tuple[CheckpointStore, int | None] | None:
+        """The first of the plan's sources that holds a committed checkpoint (the job's own
+        directory once it has one, else the ``resume=`` source). Every rank reads the same
+        shared storage after the previous generation ended, so every rank picks the same."""
+        for url, at in self.plan.restore_from:
+            store = CheckpointStore(url, keep=self.plan.keep)
+            committed = [s for s in store.committed() if at is None or s <= at]
+            if committed:
+                return store, at
+        return None
 
     # -- save -------------------------------------------------------------------------------
     def deterministic_due(self, step: int) -> bool:

@@ -1,9 +1,11 @@
-"""Notebook -> ranks control plane.
+"""Controller -> ranks control plane.
 
-The controller writes requests into one Dask ``Variable`` per job. Rank 0 polls it from a
-background thread (so the step loop never waits on the scheduler). Ranks agree on the requests
-with one tiny all-reduce (MAX) at agreed step boundaries, so every rank acts on the same step
-and no rank is left alone in a collective.
+The controller keeps each generation's control flags (stop, preempt, checkpoint requests).
+Rank 0 follows them from a background thread with a long-poll (``nbtrain_control`` on the
+scheduler returns as soon as they change), so the step loop never waits on the scheduler and
+a request reaches the rank within milliseconds. Ranks agree on the requests with one tiny
+all-reduce (MAX) at agreed step boundaries, so every rank acts on the same step and no rank is
+left alone in a collective.
 
 The all-reduce costs ~0.1-2 ms on CPU gloo, a lot for a 5 ms step, so ranks do not agree every
 step: each agreement also fixes the step of the next one, about ``interval_s`` of training
@@ -13,55 +15,67 @@ later (the minimum of every rank's proposal, so all ranks hold the same schedule
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from distributed import Client, Variable
+from distributed import Client
 
 #: Requests, in vector order. ``checkpoint`` is a sequence number: a new number = a new request.
 #: ``due`` is set by a rank itself: its time-based checkpoint policy says a checkpoint is due.
 FLAGS = ("stop", "preempt", "checkpoint", "due")
 #: Upper bound on steps between agreements, whatever the step time.
 MAX_INTERVAL_STEPS = 64
-
-
-def control_name(job_id: str) -> str:
-    return f"nbtrain-ctl-{job_id}"
-
-
-def empty_control() -> dict[str, int]:
-    return dict.fromkeys(FLAGS[:-1], 0)
+#: How long one long-poll waits for a change before it asks again.
+POLL_TIMEOUT_S = 2.0
 
 
 class ControlChannel:
-    """Rank-side view of the control variable."""
+    """Rank-side view of the generation's control flags."""
 
-    def __init__(self, job_id: str, rank: int, client: Client, poll_s: float,
-                 device: torch.device) -> None:
+    def __init__(self, job_id: str, rank: int, generation: int, client: Client,
+                 retry_s: float, device: torch.device,
+                 initial: Mapping[str, int] | None = None) -> None:
         self._requested = torch.zeros(len(FLAGS), dtype=torch.int64)
         # Flags, then the negated interval proposal (MAX of negatives = MIN of proposals).
         self._agreed = torch.zeros(len(FLAGS) + 1, dtype=torch.int64, device=device)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.ended = False  # the controller says this generation is over
+        self._set(initial or {})
         if rank == 0:
-            var = Variable(control_name(job_id), client=client)
             self._thread = threading.Thread(
-                target=self._poll, args=(var, poll_s), name="nbtrain-control", daemon=True
-            )
+                target=self._follow, args=(client, job_id, generation, retry_s),
+                name="nbtrain-control", daemon=True)
             self._thread.start()
 
-    def _poll(self, var: Variable, poll_s: float) -> None:
-        while not self._stop.wait(poll_s):
+    def _set(self, flags: Mapping[str, Any]) -> None:
+        with self._lock:
+            for i, flag in enumerate(FLAGS[:-1]):
+                self._requested[i] = int(flags.get(flag, 0))
+
+    def _follow(self, client: Client, job_id: str, generation: int, retry_s: float) -> None:
+        version = 0
+        while not self._stop.is_set():
             try:
-                value: Any = var.get(timeout=max(1.0, 10 * poll_s))
-            except Exception:  # the variable is not set yet, or the scheduler is busy
+                reply: Any = client.sync(client.scheduler.nbtrain_control,  # type: ignore[union-attr]
+                                         job_id=job_id,
+                                         generation=generation, version=version,
+                                         timeout=POLL_TIMEOUT_S,
+                                         callback_timeout=POLL_TIMEOUT_S + 30)
+            except Exception:  # the scheduler is busy or restarting: ask again soon
+                self._stop.wait(retry_s)
                 continue
-            if isinstance(value, dict):
-                with self._lock:
-                    for i, flag in enumerate(FLAGS[:-1]):
-                        self._requested[i] = int(value.get(flag, 0))
+            if not isinstance(reply, Mapping) or not reply.get("ok"):
+                self._stop.wait(retry_s)
+                continue
+            if reply.get("ended"):
+                self.ended = True
+                return
+            version = int(reply["version"])
+            self._set(reply.get("flags", {}))
 
     def agree(self, proposed_interval: int, due: bool = False) -> tuple[dict[str, int], int]:
         """Collective: the requests every rank acts on now, and steps until the next agreement.
@@ -78,6 +92,6 @@ class ControlChannel:
         return dict(zip(FLAGS, values[: len(FLAGS)], strict=True)), -values[len(FLAGS)]
 
     def close(self) -> None:
+        """Stop following (the thread ends after its current long-poll, at most a couple of
+        seconds later; the controller ends it at once when the generation ends)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2.0)

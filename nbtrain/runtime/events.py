@@ -1,9 +1,10 @@
-"""Rank -> notebook event stream over Dask's structured events.
+"""Rank -> controller event stream over Dask's structured events.
 
 ``Worker.log_event`` is thread-safe and goes over the worker's batched stream to the
-scheduler, which forwards to subscribed clients (``Client.subscribe_topic``). Step records are
-buffered and flushed at most every ``flush_s`` seconds per rank, so 16 ranks at 20 steps/s
-make ~64 small messages/s rather than 320.
+scheduler, where the controller's ``log_event`` hook takes it. Every rank of every job writes
+to one topic (``RANK_TOPIC``), so the scheduler's own copy of the stream is one bounded deque,
+not one per job. Step records are buffered and flushed at most every ``flush_s`` seconds per
+rank, so 16 ranks at 20 steps/s make ~64 small messages/s rather than 320.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ from typing import Any
 
 from distributed import get_worker
 
-#: Column order of one step row (a list, to keep messages small).
-STEP_COLUMNS = ("step", "time", "step_s", "data_s", "compute_s", "comm_s", "opt_s")
+from nbtrain.core.records import ROW_COLUMNS
 
-
-def topic_for(job_id: str) -> str:
-    return f"nbtrain-{job_id}"
+#: Column order of one step row (a list, to keep messages small); defined in core.records.
+STEP_COLUMNS = ROW_COLUMNS
+#: The Dask event topic of every rank's events.
+RANK_TOPIC = "nbtrain-ranks"
 
 
 class EventEmitter:
@@ -27,7 +28,8 @@ class EventEmitter:
 
     def __init__(self, job_id: str, rank: int, generation: int, *, flush_s: float,
                  batch_max: int) -> None:
-        self.topic = topic_for(job_id)
+        self.job_id = job_id
+        self.topic = RANK_TOPIC
         self.rank = rank
         self.generation = generation
         self.flush_s = flush_s
@@ -52,7 +54,7 @@ class EventEmitter:
         """Send a non-step event now (flushing buffered steps first, to keep order)."""
         with self._lock:
             self._flush_locked(time.monotonic())
-            self._send({"kind": kind, **info})
+            self._send({"kind": kind, "time": time.time(), **info})
 
     def _flush_locked(self, now: float) -> None:
         self._last_flush = now
@@ -61,6 +63,7 @@ class EventEmitter:
             self._send({"kind": "steps", "rows": rows})
 
     def _send(self, msg: dict[str, Any]) -> None:
+        msg["job"] = self.job_id
         msg["rank"] = self.rank
         msg["gen"] = self.generation
         self._worker.log_event(self.topic, msg)

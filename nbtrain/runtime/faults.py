@@ -1,17 +1,7 @@
-"""Deterministic fault injection by (rank, step), for tests, teaching notebooks and the UI.
+"""Firing planned faults inside a rank (the fault itself is :class:`nbtrain.core.faults.Fault`).
 
-A fault is planned at submit time (``submit(..., faults=[Fault("kill", rank=1, step=30)])``)
-or sent to a running job (``job.inject("slow", rank=1, factor=2.0)``); the engine delivers the
-latter straight into the rank's worker process (``Client.run``) where the step loop sees it at
-its next step boundary. Each one-shot fault fires once per job: the engine remembers fired
-faults, so a job that recovers to a step before the fault does not hit it again.
-
-Kinds:
-- ``kill``: SIGKILL this rank's worker process (the nanny starts a new one).
-- ``raise``: raise :class:`InjectedFault` in the rank (a user-code exception).
-- ``hang``: stop making progress (sleep ``duration_s``, forever by default) without exiting.
-- ``slow``: make this rank's compute ``factor`` times slower from ``step`` on (persistent until
-  a ``slow`` with factor 1 replaces it); the rank sleeps ``(factor - 1) x`` its compute time.
+The controller delivers faults for a running job straight into the rank's worker process
+(``deliver``, run there through Dask); the step loop sees them at its next step boundary.
 """
 
 from __future__ import annotations
@@ -20,38 +10,15 @@ import os
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass
 from typing import Any
 
-KINDS = ("kill", "raise", "hang", "slow")
+from nbtrain.core.faults import KINDS, Fault
+
+__all__ = ["KINDS", "Fault", "FaultInjector", "InjectedFault", "deliver", "take"]
 
 
 class InjectedFault(RuntimeError):
     """Raised in a rank by a ``raise`` fault."""
-
-
-@dataclass(frozen=True)
-class Fault:
-    kind: str
-    rank: int
-    step: int | None = None  # None: at the next step boundary
-    factor: float = 1.0  # slow only
-    duration_s: float | None = None  # hang only; None = forever
-    id: str = ""
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"fault kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        if self.rank < 0:
-            raise ValueError(f"fault rank must be >= 0, got {self.rank}")
-        if self.kind == "slow" and self.factor < 1.0:
-            raise ValueError(f"slow factor must be >= 1.0 (1.0 clears), got {self.factor}")
-        if not self.id:
-            object.__setattr__(self, "id", f"{self.kind}-r{self.rank}-s{self.step}-"
-                                           f"{time.monotonic_ns()}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 # Worker-process-wide mailbox: job id -> faults pushed by the engine, read by the step loop.
@@ -62,7 +29,7 @@ _LOCK = threading.Lock()
 def deliver(job_id: str, fault: dict[str, Any]) -> None:
     """Runs in the worker process (``Client.run``): queue a fault for the rank there."""
     with _LOCK:
-        _MAILBOX.setdefault(job_id, []).append(Fault(**fault))
+        _MAILBOX.setdefault(job_id, []).append(Fault.from_dict(fault))
 
 
 def take(job_id: str) -> list[Fault]:

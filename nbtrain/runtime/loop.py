@@ -1,7 +1,7 @@
 """The rank task: one long-running Dask task per rank and generation.
 
-Sequence: rendezvous (rank 0 opens a TCPStore on a free port and publishes it in a Dask
-Variable), process group, ``recipe.setup``, restore from the agreed checkpoint, then the step
+Sequence: rendezvous (rank 0 opens a TCPStore on a free port and publishes it through the
+controller), process group, ``recipe.setup``, restore from the agreed checkpoint, then the step
 loop. Each step: planned faults, fetch the batch (data wait), ``recipe.step`` (compute + comm +
 optimizer), at agreed steps the control agreement, a checkpoint when due, emit the record.
 Stop, preempt and completion end with a checkpoint that the rank waits for. On any exception
@@ -16,48 +16,28 @@ import datetime
 import os
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
 import torch
 import torch.distributed as dist
-from distributed import Variable, get_client, get_worker
+from distributed import get_client, get_worker
 from distributed.comm import get_address_host
 
 from nbtrain.config import Settings
-from nbtrain.runtime.checkpointing import CheckpointPlan, RankCheckpointing
+from nbtrain.runtime.checkpointing import RankCheckpointing
 from nbtrain.runtime.context import RankContext
 from nbtrain.runtime.control import ControlChannel
 from nbtrain.runtime.errors import RankFailure, looks_like_peer_failure
 from nbtrain.runtime.events import EventEmitter
-from nbtrain.runtime.faults import Fault, FaultInjector
+from nbtrain.runtime.faults import FaultInjector
+from nbtrain.runtime.launch import RankLaunch
 from nbtrain.runtime.recipe import Recipe
+
+__all__ = ["KILL_NOTICE_S", "RankLaunch", "run_rank"]
 
 #: Seconds between announcing an injected kill and doing it.
 KILL_NOTICE_S = 0.2
-
-
-@dataclass(frozen=True)
-class RankLaunch:
-    """Everything one rank task needs; built by the engine, pickled to the worker."""
-
-    job_id: str
-    rank: int
-    world_size: int
-    generation: int
-    recipe: bytes  # cloudpickled Recipe
-    steps: int
-    seed: int
-    host_slots: int  # slots of this job's cluster on this rank's host, to size torch threads
-    settings: Settings
-    checkpoint: CheckpointPlan | None = None
-    faults: tuple[Fault, ...] = ()
-    job_info: dict[str, Any] | None = None  # the job spec, recorded in checkpoint manifests
-
-
-def rendezvous_name(job_id: str, generation: int) -> str:
-    return f"nbtrain-rdzv-{job_id}-{generation}"
 
 
 def run_rank(launch: RankLaunch) -> dict[str, Any]:
@@ -78,9 +58,10 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
     store: dist.TCPStore | None = None
     try:
         t0 = time.perf_counter()
-        store = _init_process_group(launch, host, device, settings)
-        control = ControlChannel(launch.job_id, launch.rank, get_client(),
-                                 settings.control_poll_s, device)
+        client = get_client()
+        store = _init_process_group(launch, host, device, settings, client)
+        control = ControlChannel(launch.job_id, launch.rank, launch.generation, client,
+                                 settings.control_poll_s, device, initial=launch.control)
         recipe = cloudpickle.loads(launch.recipe)
         assert recipe is not None
         state = recipe.setup(ctx) or {}
@@ -210,18 +191,28 @@ def _device() -> torch.device:
 
 
 def _init_process_group(launch: RankLaunch, host: str, device: torch.device,
-                        settings: Settings) -> dist.TCPStore:
+                        settings: Settings, client: Any) -> dist.TCPStore:
     if dist.is_initialized():  # a previous generation in this process did not clean up
         _destroy_process_group()
-    var = Variable(rendezvous_name(launch.job_id, launch.generation), client=get_client())
     rdzv_timeout = datetime.timedelta(seconds=settings.rendezvous_timeout_s)
+
+    def rendezvous(**kwargs: Any) -> dict[str, Any]:
+        reply: dict[str, Any] = client.sync(
+            client.scheduler.nbtrain_rendezvous, job_id=launch.job_id,
+            generation=launch.generation, rank=launch.rank,
+            timeout=settings.rendezvous_timeout_s,
+            callback_timeout=settings.rendezvous_timeout_s + 30, **kwargs)
+        if not reply.get("ok"):
+            raise RuntimeError(f"rendezvous of rank {launch.rank} failed: {reply.get('message')}")
+        return reply
+
     if launch.rank == 0:
         # Port 0: the OS picks a free port on rank 0's host, so there is no port race.
         store = dist.TCPStore(host, 0, launch.world_size, is_master=True,
                               timeout=rdzv_timeout, wait_for_workers=False)
-        var.set({"host": host, "port": store.port})
+        rendezvous(host=host, port=store.port)
     else:
-        where = var.get(timeout=settings.rendezvous_timeout_s)
+        where = rendezvous()
         store = dist.TCPStore(where["host"], int(where["port"]), launch.world_size,
                               is_master=False, timeout=rdzv_timeout)
     backend = "nccl" if device.type == "cuda" else "gloo"

@@ -2,9 +2,9 @@
 job queue with the reason each job waits.
 
 Same refresh model as the job dashboard (:mod:`nbtrain.ui.poller`): pulled on the kernel's
-event loop at a bounded rate, redrawn only when something changed. Slots are grouped by host
-and, where the inventory knows it (a ``domain`` or ``nvlink_domain`` attribute on the slot),
-by NVLink domain within the host.
+event loop at a bounded rate (one snapshot call to the cluster's controller), redrawn only
+when something changed. Slots are grouped by host and, where workers declared one, by NVLink
+domain.
 """
 
 from __future__ import annotations
@@ -36,33 +36,37 @@ def cluster_dashboard(cluster: Any, display: str | None = None, **options: Any) 
     return ClusterDashboard(cluster, **options)
 
 
-def slot_rows(cluster: Any) -> tuple[dict[str, Any], list[Any]]:
-    """Plot columns for every slot, and the jobs, from one consistent controller snapshot."""
-    slots, owner, jobs = cluster._controller.snapshot()
-    by_id = {j.id: j for j in jobs}
-    colours = {j.id: _JOB_PALETTE[i % len(_JOB_PALETTE)] for i, j in enumerate(jobs)}
+def slot_rows(cluster: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Plot columns for every slot, and the jobs (status dicts), from one consistent
+    snapshot of the cluster's controller."""
+    snap = cluster.snapshot()
+    jobs: list[dict[str, Any]] = list(snap["jobs"])
+    by_id = {j["job_id"]: j for j in jobs}
+    colours = {j["job_id"]: _JOB_PALETTE[i % len(_JOB_PALETTE)] for i, j in enumerate(jobs)}
     cols: dict[str, Any] = {k: [] for k in ("x", "group", "address", "host", "domain",
                                                   "job", "state", "colour", "alpha", "label",
                                                   "text_colour")}
     groups: dict[tuple[str, str], int] = {}
-    for addr in sorted(slots, key=lambda a: (slots[a].host, _domain(slots[a]), a)):
-        slot = slots[addr]
+    slots = sorted(snap["slots"], key=lambda s: (s["host"], _domain(s), s["slot"]))
+    for slot in slots:
+        if slot["state"] == "offline":
+            continue
         domain = _domain(slot)
-        key = (str(slot.host), domain)
+        key = (str(slot["host"]), domain)
         index = groups.get(key, 0)
         groups[key] = index + 1
-        job_id = owner.get(addr)
-        job = by_id.get(job_id) if job_id else None
+        job = by_id.get(slot["job"]) if slot["job"] else None
         if job is not None:
-            state = job.status.value
-            name, colour, alpha = job.name, colours[job.id], _STATE_ALPHA.get(state, 0.3)
-        elif job_id:  # e.g. "(restarting)": held by the controller while a worker restarts
-            state, name, colour, alpha = "RESTARTING", job_id, RESTARTING_COLOUR, 0.8
+            state = job["state"]
+            name, colour, alpha = job["name"], colours[job["job_id"]], _STATE_ALPHA.get(state,
+                                                                                         0.3)
+        elif slot["state"] == "restarting":
+            state, name, colour, alpha = "RESTARTING", "(restarting)", RESTARTING_COLOUR, 0.8
         else:
             state, name, colour, alpha = "free", "free", FREE_COLOUR, 1.0
         cols["x"].append(index)
         cols["group"].append(_group_label(key))
-        cols["address"].append(addr)
+        cols["address"].append(slot["address"] or slot["slot"])
         cols["host"].append(key[0])
         cols["domain"].append(domain)
         cols["job"].append(name)
@@ -74,9 +78,10 @@ def slot_rows(cluster: Any) -> tuple[dict[str, Any], list[Any]]:
     return cols, jobs
 
 
-def _domain(slot: Any) -> str:
-    value = getattr(slot, "domain", None) or getattr(slot, "nvlink_domain", None)
-    return "" if value is None else str(value)
+def _domain(slot: dict[str, Any]) -> str:
+    """The slot's NVLink domain label when it is not simply its host."""
+    nvlink = str(slot.get("nvlink") or "")
+    return "" if nvlink in ("", str(slot.get("host"))) else nvlink
 
 
 def _group_label(key: tuple[str, str]) -> str:
@@ -84,17 +89,18 @@ def _group_label(key: tuple[str, str]) -> str:
     return f"{host} / {domain}" if domain else host
 
 
-def jobs_html(jobs: list[Any]) -> str:
+def jobs_html(jobs: list[dict[str, Any]]) -> str:
     if not jobs:
         return "<i>no jobs submitted</i>"
     head = ("<tr><th style='text-align:left'>job</th><th>state</th><th>step</th>"
-            "<th>ranks</th><th>priority</th><th>team</th>"
+            "<th>ranks</th><th>priority</th><th>team</th><th>owner</th>"
             "<th style='text-align:left'>reason</th></tr>")
     body = "".join(
-        f"<tr><td>{html.escape(j.name)}</td><td>{j.status.value}</td>"
-        f"<td>{j.step}/{j.spec.steps}</td><td>{j.spec.world_size}</td>"
-        f"<td>{j.spec.priority}</td><td>{html.escape(str(j.spec.team))}</td>"
-        f"<td style='text-align:left'>{html.escape(j.reason)}</td></tr>"
+        f"<tr><td>{html.escape(j['name'])}</td><td>{j['state']}</td>"
+        f"<td>{j['step']}/{j['steps']}</td><td>{j['world_size']}</td>"
+        f"<td>{j['priority']}</td><td>{html.escape(str(j['team']))}</td>"
+        f"<td>{html.escape(str(j['owner']))}</td>"
+        f"<td style='text-align:left'>{html.escape(j['reason'])}</td></tr>"
         for j in jobs)
     return f"<table class='nbtrain-jobs' style='font-size:90%'>{head}{body}</table>"
 
@@ -145,9 +151,9 @@ class ClusterDashboard(widgets.VBox):
         self._draw(cols, jobs)
         return not getattr(self.cluster, "_closed", False)
 
-    def _draw(self, cols: dict[str, Any], jobs: list[Any]) -> None:
+    def _draw(self, cols: dict[str, Any], jobs: list[dict[str, Any]]) -> None:
         key = (tuple(map(tuple, cols.values())),
-               tuple((j.id, j.status.value, j.step, j.reason) for j in jobs))
+               tuple((j["job_id"], j["state"], j["step"], j["reason"]) for j in jobs))
         if key == self._last:
             return
         self._last = key
@@ -196,6 +202,6 @@ class ClusterText:
         for group, owners in groups.items():
             lines.append(f"{group}: " + " | ".join(owners))
         for j in self.jobs:
-            lines.append(f"job {j.name}: {j.status.value} step {j.step}/{j.spec.steps} "
-                         f"({j.spec.world_size} ranks): {j.reason}")
+            lines.append(f"job {j['name']}: {j['state']} step {j['step']}/{j['steps']} "
+                         f"({j['world_size']} ranks, owner {j['owner']}): {j['reason']}")
         return "\n".join(lines) or "no slots"

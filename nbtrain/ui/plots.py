@@ -6,8 +6,8 @@ and the browser's work stay bounded however long the job runs. The live dashboar
 a few times a second; the HTML report feeds them the whole history once. Same code, same
 pictures.
 
-A step row is the JobHandle's tuple ``(generation, rank, step, time, step_s, data_s,
-compute_s, comm_s, opt_s, metrics)``.
+A step row is the JobHandle's tuple ``nbtrain.core.records.JOB_ROW_COLUMNS`` followed by the
+metrics dict.
 """
 
 from __future__ import annotations
@@ -23,10 +23,21 @@ from bokeh.palettes import Category10, Viridis256
 from bokeh.plotting import figure
 from bokeh.transform import transform
 
+from nbtrain.core.records import (
+    COMM_S,
+    COMPUTE_S,
+    DATA_S,
+    GEN,
+    METRICS,
+    OPT_S,
+    RANK,
+    STEP,
+    STEP_S,
+    TIME,
+)
+
 Row = Sequence[Any]
 
-GEN, RANK, STEP, TIME, STEP_S, DATA_S, COMPUTE_S, COMM_S, OPT_S = range(9)
-METRICS = 9
 
 #: Phase columns and their labels in the phase selector. "total" is the whole step.
 PHASES: dict[str, str] = {"step_s": "total", "data_s": "data", "compute_s": "compute",

@@ -7,16 +7,17 @@ import sys
 import time
 from typing import TextIO
 
+from nbtrain.core.records import METRICS, RANK, TIME
 from nbtrain.engine.job import JobHandle
 
 
 def progress_line(job: JobHandle) -> str:
     """One line: state, step, latest loss (and accuracy), recent steps/s."""
     rows, _ = job.rows_since(max(0, job.row_count - 400))
-    main = [r for r in rows if r[1] == 0]
+    main = [r for r in rows if r[RANK] == 0]
     parts = [f"[{job.name}] {job.status.value:<9} step {job.step:>6}/{job.spec.steps}"]
     if len(main) >= 2:
-        span = main[-1][3] - main[0][3]
+        span = main[-1][TIME] - main[0][TIME]
         if span > 0:
             parts.append(f"{(len(main) - 1) / span:7.1f} steps/s")
     for key in ("loss", "val_acc"):
@@ -28,7 +29,7 @@ def progress_line(job: JobHandle) -> str:
 
 def _latest(rows: list[tuple[object, ...]], key: str) -> float | None:
     for row in reversed(rows):
-        extra = row[-1]
+        extra = row[METRICS] if len(row) > METRICS else None
         if isinstance(extra, dict) and key in extra:
             value = float(extra[key])
             return None if math.isnan(value) else value

@@ -1,10 +1,10 @@
-"""Live straggler handling for one job: feeds ``core.straggler`` and ``core.mitigation``.
+"""Straggler handling for one live job: feeds ``core.straggler`` and ``core.mitigation`` (pure).
 
-Runs on the controller thread. Step rows of the current generation go to the pure detector;
-its verdict changes become ``straggler`` events and the policy's actions ``mitigation``
-events. A ``replace`` action is carried out by the controller through the preemption path
-(checkpoint at the next boundary, then a new generation with the slow slot avoided), so a
-replacement loses no committed step.
+The job machine (:mod:`nbtrain.core.lifecycle`) gives it the step rows of the current
+generation; verdict changes become ``straggler`` events and the policy's actions
+``mitigation`` events. A ``replace`` action is carried out by the machine through the
+preemption path (checkpoint at the next boundary, then a new generation with the slow slot
+avoided), so a replacement loses no committed step.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class StragglerWatch:
 
 
 def _straggler_event(info: dict[str, Any]) -> dict[str, Any]:
+    """A detector verdict change as a job event."""
     info.pop("topic", None)
     return {"kind": "straggler", **info}
 
@@ -63,7 +64,8 @@ def mitigation_event(action: Action) -> dict[str, Any]:
     info = action.to_event()
     info.pop("topic", None)
     info["action"] = info.pop("kind")
-    # The policy's clock is the controller's monotonic one; events carry wall-clock "time".
+    # The policy's clock is the controller's monotonic one; events carry wall-clock "time",
+    # which the machine sets.
     info["policy_time"] = info.pop("time")
     if info.get("exclude_until") is not None:
         info["exclude_for_s"] = info.pop("exclude_until") - info["policy_time"]

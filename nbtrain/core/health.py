@@ -1,9 +1,15 @@
-"""Worker and host health: repeated-failure exclusion and hang diagnosis (engine side)."""
+"""Worker and host health: repeated-failure exclusion and hang diagnosis (pure).
+
+Time is passed in; nothing here reads a clock.
+"""
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+__all__ = ["HostHealth", "hung_ranks"]
 
 #: Frames that mean "waiting for other ranks", not "stuck on my own".
 _WAITING_MARKERS = ("torch/distributed", "torch/autograd", "torch/nn/parallel",
@@ -30,13 +36,14 @@ class HostHealth:
         return {h for h, until in self._until.items() if until > now}
 
 
-def hung_ranks(keys: dict[int, Any], slots: list[str], stacks: dict[str, Any]) -> list[int]:
-    """Ranks whose running task is not inside a collective, from ``Client.call_stack``.
+def hung_ranks(keys: Mapping[int, Any], stacks: Mapping[str, Any]) -> list[int]:
+    """Ranks whose running task is not inside a collective, from Dask's call stacks
+    (``{worker: {task key: [frame text, ...]}}``).
 
     A rank blocked in an all-reduce waits for a peer; the peer stuck elsewhere is the one to
     restart. Returns [] when no rank can be told apart (the caller restarts them all).
     """
-    by_key: dict[str, list[str]] = {}
+    by_key: dict[str, Sequence[str]] = {}
     for per_worker in stacks.values():
         for key, frames in (per_worker or {}).items():
             by_key[str(key)] = [str(f) for f in frames]

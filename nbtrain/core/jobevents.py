@@ -1,0 +1,120 @@
+"""The one schema of job events: what ranks and the controller say about a job (pure).
+
+Events travel as plain dicts (msgpack on Dask's wire, JSON in reports), so they are typed here
+as ``TypedDict``s, one per ``kind``, and built only through the constructors below. Every
+event has ``kind`` and ``time`` (wall-clock seconds, for people; durations use monotonic
+clocks). Rank events also carry ``job``, ``rank`` and ``gen`` (the generation).
+
+Producers: the rank runtime (``rank_started``, ``checkpoint``, ``fault_injected``,
+``rank_failed``, ``rank_finished`` and the ``steps`` batches) and the job machine
+(:mod:`nbtrain.core.lifecycle`: ``state``, ``fault``, ``recovery``, ``preemption``,
+``straggler``, ``mitigation``). Consumers: the job handle, the views, the report.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypedDict
+
+__all__ = [
+    "CONTROLLER_KINDS",
+    "RANK_KINDS",
+    "FaultEvent",
+    "PreemptionEvent",
+    "RecoveryEvent",
+    "StateEvent",
+    "fault_event",
+    "preemption_event",
+    "recovery_event",
+    "state_event",
+]
+
+#: Kinds the rank runtime emits (``steps`` carries step rows, see ``core.records``).
+RANK_KINDS = ("steps", "rank_started", "checkpoint", "fault_injected", "rank_failed",
+              "rank_finished")
+#: Kinds the job machine emits.
+CONTROLLER_KINDS = ("state", "fault", "recovery", "preemption", "straggler", "mitigation")
+
+
+class StateEvent(TypedDict):
+    kind: Literal["state"]
+    time: float
+    state: str  # a JobState value
+    reason: str
+
+
+class FaultEvent(TypedDict):
+    """One fault that ended a generation. ``detect_s``: from the fault (its injection, the
+    rank's own raise, the last progress of a hang) to its detection; ``recovery_s`` (set by a
+    later ``recovery`` event): from detection to the next generation's first step."""
+
+    kind: Literal["fault"]
+    time: float
+    what: str  # "worker died" | "exception" | "hang" | "lost slot"
+    cause: str  # one line a person reads: what happened, with the evidence
+    rank: int | None
+    host: str | None
+    step: int
+    error: str
+    generation: int
+    detect_s: float | None
+    lost_steps: int | None
+    resume_step: int | None
+
+
+class RecoveryEvent(TypedDict):
+    kind: Literal["recovery"]
+    time: float
+    generation: int
+    recovery_s: float | None
+    resumed_step: int | None
+    lost_steps: int | None
+    fault: str | None
+
+
+class PreemptionEvent(TypedDict):
+    """A generation ended to free slots: for another job, by the user, for a straggler's
+    replacement. ``forced``: the ranks did not release within the grace period and were
+    stopped, losing the steps after the last committed checkpoint (``lost_steps``)."""
+
+    kind: Literal["preemption"]
+    time: float
+    cause: str  # "user" | "scheduler" | "replace"
+    reason: str
+    for_job: str | None
+    step: int
+    forced: bool
+    lost_steps: int
+
+
+def state_event(time: float, state: str, reason: str) -> StateEvent:
+    return {"kind": "state", "time": time, "state": state, "reason": reason}
+
+
+def fault_event(time: float, *, what: str, cause: str, rank: int | None, host: str | None,
+                step: int, error: str, generation: int, detect_s: float | None
+                ) -> FaultEvent:
+    return {"kind": "fault", "time": time, "what": what, "cause": cause, "rank": rank,
+            "host": host, "step": step, "error": error, "generation": generation,
+            "detect_s": detect_s, "lost_steps": None, "resume_step": None}
+
+
+def recovery_event(time: float, *, generation: int, recovery_s: float | None,
+                   resumed_step: int | None, lost_steps: int | None,
+                   fault: str | None) -> RecoveryEvent:
+    return {"kind": "recovery", "time": time, "generation": generation,
+            "recovery_s": recovery_s, "resumed_step": resumed_step, "lost_steps": lost_steps,
+            "fault": fault}
+
+
+def preemption_event(time: float, *, cause: str, reason: str, for_job: str | None, step: int,
+                     forced: bool, lost_steps: int) -> PreemptionEvent:
+    return {"kind": "preemption", "time": time, "cause": cause, "reason": reason,
+            "for_job": for_job, "step": step, "forced": forced, "lost_steps": lost_steps}
+
+
+def rank_event(kind: str, *, job: str, rank: int, gen: int, time: float,
+               **info: Any) -> dict[str, Any]:
+    """A rank runtime event (one of ``RANK_KINDS``), as sent over Dask's event plane."""
+    if kind not in RANK_KINDS:
+        raise ValueError(f"unknown rank event kind {kind!r}; one of {', '.join(RANK_KINDS)}")
+    return {"kind": kind, "job": job, "rank": rank, "gen": gen, "time": time, **info}

@@ -1,0 +1,166 @@
+"""One live job as the job machine keeps it: state, generations, faults, accounting (pure).
+
+:class:`LiveJob` is written by :class:`nbtrain.core.lifecycle.JobMachine` only; everyone else
+reads :class:`JobStatus`, a frozen snapshot.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbtrain.core.faults import Fault
+from nbtrain.core.goodput import GoodputLedger
+from nbtrain.core.job import JobState
+from nbtrain.core.lifecycle_types import JobSubmission, RankFailureInfo
+from nbtrain.core.stragglerwatch import StragglerWatch
+
+__all__ = ["Generation", "JobStatus", "LiveJob", "Preemption", "primary_failure"]
+
+#: Control flags a generation's ranks act on (``checkpoint`` is a sequence number).
+CONTROL_FLAGS = ("stop", "preempt", "checkpoint")
+
+
+@dataclass
+class Preemption:
+    """Why the current generation is being ended to free its slots."""
+
+    cause: str  # "user" (job.preempt), "scheduler" (a higher-priority job), "replace"
+    reason: str
+    deadline: float  # monotonic; past it the ranks are stopped without their checkpoint
+    for_job: str | None = None
+    slot: str | None = None  # replace: the slow slot to stay off
+
+
+@dataclass
+class Generation:
+    """One (re)start of a job's gang."""
+
+    number: int
+    slots: tuple[str, ...]  # slot ids, index = rank
+    addresses: tuple[str, ...]  # their workers at launch
+    started: float  # monotonic
+    last_progress: float
+    control: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CONTROL_FLAGS, 0))
+    outcomes: dict[int, dict[str, Any]] = field(default_factory=dict)
+    failures: dict[int, RankFailureInfo] = field(default_factory=dict)
+    failed_at: float | None = None  # monotonic time of the first failure
+    failed_wall: float | None = None
+    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=64))
+    hang: dict[str, Any] | None = None  # set when the watchdog declared this generation hung
+    injected: dict[str, Any] | None = None  # the last fault injected in this generation
+    running: bool = False  # a step row arrived
+    released: bool = False  # failed ranks' workers restarted to free their peers
+    forced: bool = False  # preemption grace ran out: ranks stopped without their checkpoint
+
+    def finished(self, world_size: int) -> bool:
+        return len(self.outcomes) + len(self.failures) >= world_size
+
+    @property
+    def failing(self) -> bool:
+        return bool(self.failures) or self.hang is not None
+
+    def unfinished(self, world_size: int) -> tuple[int, ...]:
+        return tuple(r for r in range(world_size)
+                     if r not in self.outcomes and r not in self.failures)
+
+    def median_step(self) -> float:
+        return statistics.median(self.step_times) if self.step_times else 0.0
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """A read-only snapshot of one job, for handles, views and listings."""
+
+    job_id: str
+    name: str
+    owner: str
+    team: str
+    priority: int
+    world_size: int
+    steps: int
+    state: str
+    reason: str
+    generation: int
+    slots: tuple[str, ...]  # worker addresses, index = rank (empty while not holding slots)
+    step: int
+    error: str | None
+    restarts: int
+    faults: tuple[dict[str, Any], ...]
+    goodput: dict[str, float]
+    submitted: float
+    started: float | None
+    ended: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+
+
+class LiveJob:
+    """The machine's record of one job."""
+
+    def __init__(self, sub: JobSubmission, now: float, wall: float) -> None:
+        self.sub = sub
+        self.spec = sub.spec
+        self.state = JobState.QUEUED
+        self.reason = "waiting for the scheduler"
+        self.queue_note = ""  # why it is queued again (a restart, a preemption, a resume)
+        self.generation = -1
+        self.gen: Generation | None = None
+        self.step = 0
+        self.error: str | None = None
+        self.submitted = wall
+        self.started: float | None = None
+        self.ended: float | None = None
+        self.restarts: list[float] = []
+        self.fault_log: list[dict[str, Any]] = []
+        self.planned: list[Fault] = list(sub.faults)
+        self.fired: set[str] = set()
+        self.committed_step = sub.resume_step
+        self.ledger = GoodputLedger(now)
+        self.stragglers = StragglerWatch(sub.spec.world_size, mitigation=sub.mitigation)
+        self.recovering = ""
+        self.stop_requested = False
+        self.preempt: Preemption | None = None
+        self.checkpoint_seq = 0
+
+    @property
+    def id(self) -> str:
+        return self.spec.job_id
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def unfired_faults(self) -> tuple[Fault, ...]:
+        return tuple(f for f in self.planned if f.id not in self.fired)
+
+    def consume_faults(self, rank: int, step: int) -> None:
+        """A failure of ``rank`` at ``step`` used up the one-shot faults planned there, even if
+        their announcement was lost with the process: they must not fire after the restart."""
+        for planned in self.planned:
+            if (planned.rank == rank and planned.one_shot
+                    and (planned.step is None or planned.step <= step + 1)):
+                self.fired.add(planned.id)
+
+    def public_faults(self) -> tuple[dict[str, Any], ...]:
+        return tuple({k: v for k, v in f.items() if not k.startswith("_")}
+                     for f in self.fault_log)
+
+    def status(self, now: float, addresses: tuple[str, ...]) -> JobStatus:
+        return JobStatus(
+            job_id=self.id, name=self.name, owner=self.sub.owner, team=self.spec.team,
+            priority=self.spec.priority, world_size=self.spec.world_size, steps=self.spec.steps,
+            state=self.state.value, reason=self.reason, generation=self.generation,
+            slots=addresses, step=self.step, error=self.error, restarts=len(self.restarts),
+            faults=self.public_faults(), goodput=self.ledger.snapshot(now).as_dict(),
+            submitted=self.submitted, started=self.started, ended=self.ended,
+        )
+
+
+def primary_failure(failures: dict[int, RankFailureInfo]) -> tuple[int, RankFailureInfo]:
+    """The cause, not the consequences: the earliest failure that is not a peer's reaction."""
+    causes = [(r, f) for r, f in failures.items() if not f.peer] or list(failures.items())
+    return min(causes, key=lambda rf: rf[1].when)

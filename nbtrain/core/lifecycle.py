@@ -1,0 +1,861 @@
+"""The job machine: every live job's lifecycle as a pure state machine, events in, commands out.
+
+``JobMachine.handle(event) -> list[Command]`` is the whole API (plus read-only views). The
+engine's controller, a thin shell living with the Dask scheduler, feeds it what happens
+(submissions, users' requests, rank events and exits, workers joining and leaving, ticks of
+time) and carries out what it says (launch a generation, set control flags, restart workers,
+publish events). It reads no clock and does no I/O, so every transition is a unit test.
+
+Admission is not decided here: the machine drives :class:`nbtrain.core.scheduler.Scheduler`
+(gang admission, priorities, preemption, fair share, reservation and backfill) and turns its
+decisions into generations. What the machine adds is what the scheduler does not know about:
+
+- **Generations.** Each (re)start of a job's gang; it ends when every rank has exited. How it
+  ended decides what comes next, in this order: a stop request wins (CANCELLED, also while a
+  preemption or a straggler's replacement is in flight), then failures (recovery within the
+  restart budget, else FAILED), then preemptions (by the user: PREEMPTED until ``resume``; by
+  the scheduler or for a straggler's replacement: queued again), then completion.
+- **Failures.** A rank that raised, a worker that died, a generation with no progress (the
+  hang watchdog). Peers of a failed rank still blocked in a collective are released by
+  restarting the failed rank's worker after ``peer_release_s`` (gloo keeps its connections
+  open while DDP holds the group); ranks still running ``failure_grace_s`` after a failure
+  are stopped the same way. Every fault is recorded with one readable cause.
+- **Slots whose workers restart.** A slot whose worker is asked to restart is offline for the
+  scheduler until a worker backs it again; one that does not come back within
+  ``worker_return_s`` is reported lost.
+- **Preemption grace.** A job told to release its slots gets ``preempt_grace_s`` to
+  checkpoint; after that its ranks are stopped and it resumes from its last committed
+  checkpoint (the steps after it are counted as lost).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import replace
+from typing import Any
+
+from nbtrain.core.health import HostHealth
+from nbtrain.core.inventory import Inventory, WorkerInfo
+from nbtrain.core.job import JobState
+from nbtrain.core.jobevents import fault_event, preemption_event, recovery_event, state_event
+from nbtrain.core.jobrecord import Generation, JobStatus, LiveJob, Preemption, primary_failure
+from nbtrain.core.lifecycle_types import (
+    Cancel,
+    Command,
+    Deliver,
+    Diagnose,
+    EndGeneration,
+    Event,
+    HangDiagnosed,
+    JobSubmission,
+    Launch,
+    MachineConfig,
+    Publish,
+    RankExit,
+    RankFailureInfo,
+    RankMessage,
+    Rejected,
+    Request,
+    RestartWorkers,
+    SetControl,
+    Submitted,
+    Tick,
+    WorkerJoined,
+    WorkerLeft,
+)
+from nbtrain.core.mitigation import ActionKind, SlotInfo
+from nbtrain.core.placement import Placement
+from nbtrain.core.sched_types import (
+    Cancelled,
+    Checkpointed,
+    Decision,
+    Failed,
+    Finished,
+    JobRequest,
+    PreemptJob,
+    RejectJob,
+    Released,
+    ResizeJob,
+    Resume,
+    SchedulerConfig,
+    StartJob,
+    Submit,
+    Suspend,
+    WorkersAdded,
+    WorkersRemoved,
+)
+from nbtrain.core.sched_types import Event as SchedEvent
+from nbtrain.core.sched_types import Tick as SchedTick
+from nbtrain.core.scheduler import Scheduler
+from nbtrain.core.stragglerwatch import mitigation_event
+from nbtrain.core.topology import Topology
+
+__all__ = ["JobMachine", "SlotView"]
+
+#: One-line explanations of fault kinds, used in causes.
+_LOST = "worker died"
+
+
+class SlotView(dict[str, Any]):
+    """A slot for display: ``slot``, ``host``, ``nvlink``, ``leaf``, ``address`` (None while
+    offline), ``state`` (free / held / restarting / offline) and ``job`` (the holder's id)."""
+
+
+class JobMachine:
+    """Lifecycle of every job on one cluster. See the module docstring."""
+
+    def __init__(self, config: MachineConfig | None = None,
+                 scheduler: SchedulerConfig | None = None) -> None:
+        self.config = config or MachineConfig()
+        self.sched_config = replace(scheduler or SchedulerConfig(), can_grow=True)
+        self.sched: Scheduler | None = None  # made when the first worker joins
+        self.inventory = Inventory()
+        self.health = HostHealth(self.config.host_failure_limit,
+                                 self.config.host_failure_window_s, self.config.host_exclusion_s)
+        self.now = 0.0
+        self.wall = 0.0
+        self._jobs: dict[str, LiveJob] = {}
+        self._pending: list[str] = []  # submitted before any worker joined
+        self._offline: set[str] = set()  # slots the scheduler has been told are offline
+        self._restarting: dict[str, float] = {}  # slot -> when its restart was asked
+        self._last_sched_tick = -1e18
+        self._out: list[Command] = []
+        self._queue_dirty = False
+        self._in_pass = False
+
+    # ================================================================== the API
+    def handle(self, event: Event) -> list[Command]:
+        """Apply one event; returns the commands to carry out, in order."""
+        self.now, self.wall = event.now, event.wall
+        self._out = []
+        if isinstance(event, RankMessage):
+            self._on_rank_message(event)
+        elif isinstance(event, RankExit):
+            self._on_rank_exit(event)
+        elif isinstance(event, Tick):
+            self._on_tick()
+        elif isinstance(event, Submitted):
+            self._on_submitted(event.job)
+        elif isinstance(event, Request):
+            self._on_request(event)
+        elif isinstance(event, WorkerJoined):
+            self._on_worker_joined(event)
+        elif isinstance(event, WorkerLeft):
+            self._on_worker_left(event.address)
+        elif isinstance(event, HangDiagnosed):
+            self._on_hang_diagnosed(event)
+        else:
+            raise TypeError(f"unknown event {event!r}; see nbtrain.core.lifecycle_types.Event")
+        if self._queue_dirty:
+            self._explain_queue()
+        out, self._out = self._out, []
+        return out
+
+    def status(self, job_id: str) -> JobStatus:
+        """Snapshot of one job; ``KeyError`` for an unknown (or forgotten) id."""
+        job = self._jobs[job_id]
+        return job.status(self.now, self._addresses(job))
+
+    def job_ids(self) -> list[str]:
+        """Known jobs in submit order."""
+        return list(self._jobs)
+
+    def forget(self, job_id: str) -> None:
+        """Drop an ended job's record (the engine keeps a bounded history)."""
+        job = self._jobs.get(job_id)
+        if job is not None and job.state.terminal:
+            del self._jobs[job_id]
+
+    def slots(self) -> list[SlotView]:
+        """Every slot the cluster has had, with its state and holder."""
+        owners: dict[Hashable, str | None] = {}
+        if self.sched is not None:
+            owners = dict(zip(self.sched.topo.slot_ids, self.sched.owners(), strict=True))
+        out = []
+        for rec in self.inventory.records():
+            holder = owners.get(rec.slot)
+            if rec.slot in self._restarting:
+                state = "restarting"
+            elif rec.address is None:
+                state = "offline"
+            else:
+                state = "held" if holder is not None else "free"
+            out.append(SlotView(slot=rec.slot, host=rec.host, nvlink=rec.nvlink or rec.host,
+                                leaf=rec.leaf, address=rec.address, state=state, job=holder))
+        return out
+
+    def team_usage(self) -> dict[str, float]:
+        """Slot-seconds held per team so far (the scheduler's fair-share ledger)."""
+        return {} if self.sched is None else self.sched.team_usage()
+
+    # ================================================================== submission
+    def _on_submitted(self, sub: JobSubmission) -> None:
+        spec = sub.spec
+        if spec.job_id in self._jobs:
+            self._out.append(Rejected(spec.job_id, f"job id {spec.job_id!r} is already in use"))
+            return
+        job = LiveJob(sub, self.now, self.wall)
+        self._jobs[job.id] = job
+        self._publish(job, state_event(self.wall, job.state.value, job.reason))
+        if self.sched is None:
+            if not spec.queue:
+                self._reject(job, 0, 0)
+                return
+            self._pending.append(job.id)
+            self._set_state(job, JobState.QUEUED, f"needs {spec.world_size} slots at once; the "
+                                                  "cluster has 0: waiting for workers to join")
+            return
+        self._admit(job)
+
+    def _admit(self, job: LiveJob) -> None:
+        spec = job.spec
+        request = JobRequest(job_id=job.id, size=spec.world_size, priority=spec.priority,
+                             team=spec.team)
+        self._sched(Submit(self.now, request))
+        if job.id not in self._jobs:  # rejected by the scheduler
+            return
+        if not spec.queue and job.gen is None:
+            assert self.sched is not None
+            free, online = self.sched.n_free, self.sched.n_online
+            self._sched(Cancelled(self.now, job.id))
+            self._reject(job, free, online)
+
+    def _reject(self, job: LiveJob, free: int, online: int) -> None:
+        del self._jobs[job.id]
+        self._out.append(Rejected(job.id, (
+            f"job {job.name} needs {job.spec.world_size} slots at once but only {free} of the "
+            f"cluster's {online} are free (queue=False, so it is not queued): free slots, add "
+            "workers, or submit with queue=True")))
+
+    # ================================================================== the gang scheduler
+    def _sched(self, event: SchedEvent) -> None:
+        """Feed the gang scheduler and carry its decisions out, in order."""
+        assert self.sched is not None
+        assert not self._in_pass, "the scheduler was fed while its decisions were carried out"
+        self._in_pass = True
+        try:
+            decisions = self.sched.handle(event)
+        finally:
+            self._in_pass = False
+        self._queue_dirty = True
+        for d in decisions:
+            self._carry_out(d)
+
+    def _carry_out(self, d: Decision) -> None:
+        job = self._jobs.get(d.job_id)
+        if isinstance(d, StartJob):
+            assert job is not None, f"the scheduler started unknown job {d.job_id}"
+            self._start(job, d.placement)
+        elif isinstance(d, PreemptJob):
+            if job is not None:
+                self._preempt_for_scheduler(job, d)
+        elif isinstance(d, RejectJob):
+            if job is not None and job.gen is None and job.state is JobState.QUEUED:
+                del self._jobs[job.id]
+                self._out.append(Rejected(job.id, d.reason))
+            elif job is not None:
+                self._publish_cluster({"kind": "scheduler", "job": job.id, "reason": d.reason})
+        elif isinstance(d, ResizeJob):
+            # Only elastic jobs are resized, and the machine submits none yet.
+            raise RuntimeError(f"unexpected resize of job {d.job_id}: {d.reason}")
+
+    def _start(self, job: LiveJob, placement: Placement) -> None:
+        number = job.generation + 1
+        slots = tuple(str(s) for s in placement.slots)
+        addresses = tuple(self.inventory.address_of(s) or "" for s in slots)
+        assert all(addresses), f"the scheduler placed job {job.id} on an offline slot"
+        gen = Generation(number=number, slots=slots, addresses=addresses, started=self.now,
+                         last_progress=self.now)
+        job.gen = gen
+        job.generation = number
+        job.checkpoint_seq = 0
+        job.queue_note = ""
+        if job.started is None:
+            job.started = self.wall
+        job.ledger.enter("recovery" if job.recovering else "startup", self.now)
+        what = f"recovering ({job.recovering})" if job.recovering else "starting"
+        self._set_state(job, JobState.STARTING, f"generation {number}: {what}, "
+                                                f"{len(slots)} ranks")
+        self._out.append(Launch(job.id, number, addresses, job.unfired_faults(),
+                                dict(gen.control)))
+
+    def _explain_queue(self) -> None:
+        """Say why each queued job waits: the head of the queue needs more free slots than
+        there are; the others wait behind it."""
+        self._queue_dirty = False
+        if self.sched is None:
+            return
+        free, online = self.sched.n_free, self.sched.n_online
+        restarting = len(self._restarting)
+        offline = len(self.inventory.records()) - online - restarting
+        away = ", ".join(f"{n} {what}" for n, what in ((restarting, "restarting"),
+                                                     (offline, "offline")) if n)
+        away = f" ({away})" if away else ""
+        head_name, head_why = "", ""
+        for job_id in self.sched.queued():
+            job = self._jobs.get(job_id)
+            if job is None or job.state is not JobState.QUEUED:
+                continue
+            need = job.spec.world_size
+            if not head_name:
+                if need > online:
+                    why = (f"needs {need} slots at once; the cluster has {online}{away}: "
+                           "waiting for workers to join")
+                else:
+                    why = f"needs {need} slots at once; {free} of {online} free{away}"
+                    releasing = [j.name for j in self._jobs.values()
+                                 if j.preempt is not None and j.preempt.for_job == job.id]
+                    if releasing:
+                        why += f"; preempted {', '.join(releasing)} releasing its slots"
+                head_name, head_why = job.name, why
+            else:
+                why = f"waiting behind job {head_name} ({head_why})"
+            reason = f"{job.queue_note}: {why}" if job.queue_note else why
+            self._set_state(job, JobState.QUEUED, reason)
+
+    # ================================================================== workers
+    def _on_worker_joined(self, ev: WorkerJoined) -> None:
+        rec = self.inventory.join(WorkerInfo(address=ev.address, host=ev.host, name=ev.name,
+                                             nvlink=ev.nvlink, leaf=ev.leaf))
+        self._restarting.pop(rec.slot, None)
+        self._publish_cluster({"kind": "worker", "what": "joined", "slot": rec.slot,
+                               "address": ev.address, "host": rec.host})
+        if self.sched is None:
+            nvlink_of, leaf_of = self.inventory.labels()
+            topo = Topology.from_hosts(self.inventory.hosts(), leaf_of=leaf_of,
+                                       nvlink_of=nvlink_of)
+            self.sched = Scheduler(topo, self.sched_config)
+            self._queue_dirty = True
+            pending, self._pending = self._pending, []
+            for job_id in pending:
+                job = self._jobs.get(job_id)
+                if job is not None and job.state is JobState.QUEUED:
+                    self._admit(job)
+            return
+        self._offline.discard(rec.slot)
+        nvlink: dict[Hashable, str] = {rec.slot: rec.nvlink} if rec.nvlink else {}
+        leaf = {rec.host: rec.leaf} if rec.leaf else {}
+        self._sched(WorkersAdded(self.now, {rec.host: (rec.slot,)}, nvlink_of=nvlink,
+                                 leaf_of=leaf))
+
+    def _on_worker_left(self, address: str) -> None:
+        rec = self.inventory.leave(address)
+        if rec is None:
+            return
+        slot = rec.slot
+        self._publish_cluster({"kind": "worker", "what": "left", "slot": slot,
+                               "address": address, "host": rec.host,
+                               "restarting": slot in self._restarting})
+        hit: list[LiveJob] = []
+        for job in self._jobs.values():
+            gen = job.gen
+            if gen is None or slot not in gen.slots:
+                continue
+            rank = gen.slots.index(slot)
+            if rank in gen.outcomes or rank in gen.failures:
+                continue
+            self._record_failure(gen, rank, RankFailureInfo(
+                error=f"worker {address} left the cluster (its process died)",
+                traceback="(no traceback: the worker process is gone)", host=rec.host,
+                step=job.step, when=self.wall, peer=False, lost_worker=True))
+            self._out.append(Cancel(job.id, gen.number, (rank,)))
+            hit.append(job)
+        self._take_offline([slot])
+        for job in hit:
+            if job.gen is not None and job.gen.finished(job.spec.world_size):
+                self._end_generation(job)
+
+    def _take_offline(self, slots: Iterable[str]) -> None:
+        new = tuple(s for s in slots if s not in self._offline)
+        if not new or self.sched is None:
+            return
+        self._offline.update(new)
+        self._sched(WorkersRemoved(self.now, new))
+
+    def _restart_workers(self, addresses: Iterable[str], reason: str) -> None:
+        """Restart workers through their nannies; their slots stay offline until a worker
+        backs them again (a slot is never offered while its worker restarts)."""
+        todo: list[str] = []
+        slots: list[str] = []
+        for address in dict.fromkeys(addresses):
+            slot = self.inventory.slot_of(address)
+            if slot is None or slot in self._restarting:
+                continue
+            self._restarting[slot] = self.now
+            todo.append(address)
+            slots.append(slot)
+        if not todo:
+            return
+        self._take_offline(slots)
+        self._out.append(RestartWorkers(tuple(todo), reason))
+
+    # ================================================================== rank events
+    def _on_rank_message(self, ev: RankMessage) -> None:
+        job = self._jobs.get(ev.job_id)
+        if job is None:
+            return
+        msg = ev.msg
+        kind = msg.get("kind")
+        gen = job.gen
+        current = gen is not None and msg.get("gen") == gen.number
+        if kind == "steps":
+            if current:
+                assert gen is not None
+                self._on_steps(job, gen, int(msg["rank"]), msg["rows"])
+            return
+        self._publish(job, msg)
+        if kind == "checkpoint":
+            phase = msg.get("phase")
+            if phase == "committed":
+                step = int(msg["step"])
+                job.ledger.committed(step)
+                if step > job.committed_step:
+                    job.committed_step = step
+                    if self.sched is not None and job.gen is not None:
+                        self._sched(Checkpointed(self.now, job.id))
+            elif phase == "snapshot" and msg.get("rank") == 0:
+                job.ledger.checkpoint_blocked(
+                    (float(msg.get("blocking_ms", 0)) + float(msg.get("wait_ms", 0))) / 1e3)
+        elif kind == "rank_started" and current and msg.get("rank") == 0:
+            for event in job.stragglers.restart(job.spec.world_size, int(msg["start_step"])):
+                self._publish(job, event)
+        elif kind == "fault_injected" and current:
+            assert gen is not None
+            job.fired.add(str(msg["fault"]["id"]))
+            gen.injected = dict(msg)
+
+    def _on_steps(self, job: LiveJob, gen: Generation, rank: int, rows: list[Any]) -> None:
+        gen.last_progress = self.now
+        if rank == 0 and rows:
+            for row in rows:
+                job.ledger.step(int(row[0]), float(row[2]))
+                gen.step_times.append(float(row[2]))
+            job.step = max(job.step, int(rows[-1][0]))
+        try:
+            events = job.stragglers.observe(rank, rows)
+        except ValueError:  # malformed timing (e.g. clock jumps): skip, never break the job
+            events = []
+        for event in events:
+            self._publish(job, event)
+        if not gen.running:
+            gen.running = True
+            job.ledger.enter("training", self.now)
+            if job.recovering:
+                self._finish_recovery(job, gen, rows)
+            if job.state is JobState.STARTING:
+                self._set_state(job, JobState.RUNNING, f"training (generation {gen.number})")
+        if rank == 0 and job.state is JobState.RUNNING:
+            self._mitigate(job, gen)
+
+    def _mitigate(self, job: LiveJob, gen: Generation) -> None:
+        assert self.sched is not None
+        placement = {r: SlotInfo(s, self.inventory.host_of(s)) for r, s in enumerate(gen.slots)}
+        spares = [SlotInfo(str(s), self.inventory.host_of(str(s)))
+                  for s in self.sched.free_slot_ids()]
+        for action in job.stragglers.decide(self.now, job.step, placement, spares):
+            event = mitigation_event(action)
+            event["time"] = self.wall
+            self._publish(job, event)
+            if (action.kind is ActionKind.REPLACE and action.slot is not None
+                    and job.preempt is None and not job.stop_requested):
+                # Through the preemption path: checkpoint, end the generation, start again
+                # without the slow slot. No committed step is lost.
+                job.preempt = Preemption(cause="replace", reason=action.reason,
+                                         deadline=self.now + self.sched_config.preempt_grace_s,
+                                         slot=action.slot.slot)
+                self._set_control(job, preempt=1)
+                self._set_state(job, JobState.STOPPING, f"replacing slow rank {action.rank}: "
+                                                        "checkpoint at the next step boundary")
+
+    def _finish_recovery(self, job: LiveJob, gen: Generation, rows: list[Any]) -> None:
+        fault = job.fault_log[-1] if job.fault_log else {}
+        start = fault.get("_detected_mono")
+        recovery_s = self.now - start if start is not None else None
+        if fault:
+            fault["recovery_s"] = recovery_s
+        job.recovering = ""
+        self._publish(job, recovery_event(
+            self.wall, generation=gen.number, recovery_s=recovery_s,
+            resumed_step=int(rows[0][0]) - 1 if rows else None,
+            lost_steps=fault.get("lost_steps"), fault=fault.get("what")))
+
+    def _on_rank_exit(self, ev: RankExit) -> None:
+        job = self._jobs.get(ev.job_id)
+        gen = job.gen if job is not None else None
+        if job is None or gen is None or gen.number != ev.generation:
+            return  # a late report from an ended generation
+        if ev.rank in gen.outcomes or ev.rank in gen.failures:
+            return
+        if ev.failure is not None:
+            self._record_failure(gen, ev.rank, ev.failure)
+        else:
+            gen.outcomes[ev.rank] = dict(ev.outcome or {})
+        if gen.finished(job.spec.world_size):
+            self._end_generation(job)
+
+    def _record_failure(self, gen: Generation, rank: int, failure: RankFailureInfo) -> None:
+        gen.failures[rank] = failure
+        if gen.failed_at is None:
+            gen.failed_at = self.now
+            gen.failed_wall = self.wall
+
+    # ================================================================== time
+    def _on_tick(self) -> None:
+        for job in list(self._jobs.values()):
+            gen = job.gen
+            if gen is None:
+                continue
+            policy = job.sub.policy
+            if gen.failures and not gen.finished(job.spec.world_size):
+                assert gen.failed_at is not None
+                waited = self.now - gen.failed_at
+                if waited > policy.failure_grace_s:
+                    self._force_end(job, gen)
+                elif waited > policy.peer_release_s and not gen.released:
+                    gen.released = True
+                    self._restart_workers(
+                        [gen.addresses[r] for r, f in gen.failures.items()
+                         if not f.peer and not f.lost_worker],
+                        f"free the peers of job {job.name}'s failed rank")
+            elif job.preempt is not None and self.now > job.preempt.deadline and not gen.failing:
+                self._force_release(job, gen)
+            elif gen.running and job.state is JobState.RUNNING and gen.hang is None:
+                self._watch_for_hang(job, gen)
+        for slot, asked in list(self._restarting.items()):
+            if self.now - asked > self.config.worker_return_s:
+                del self._restarting[slot]
+                self._queue_dirty = True
+                self._publish_cluster({
+                    "kind": "slot_lost", "slot": slot, "host": self.inventory.host_of(slot),
+                    "reason": f"its worker did not come back within "
+                              f"{self.config.worker_return_s:.0f} s of a restart; the cluster "
+                              "has one slot fewer until a worker joins on that host"})
+        if self.sched is not None and self.now - self._last_sched_tick >= (
+                self.config.scheduler_tick_s):
+            self._last_sched_tick = self.now
+            self._sched(SchedTick(self.now))
+
+    def _watch_for_hang(self, job: LiveJob, gen: Generation) -> None:
+        policy = job.sub.policy
+        median = gen.median_step()
+        limit = max(policy.hang_factor * median, policy.hang_floor_s)
+        silent = self.now - gen.last_progress
+        if silent <= limit:
+            return
+        gen.hang = {"silent_s": silent, "limit_s": limit, "median_s": median,
+                    "detected_wall": self.wall, "detected_mono": self.now}
+        self._out.append(Diagnose(job.id, gen.number))
+
+    def _on_hang_diagnosed(self, ev: HangDiagnosed) -> None:
+        job = self._jobs.get(ev.job_id)
+        gen = job.gen if job is not None else None
+        if job is None or gen is None or gen.number != ev.generation or gen.hang is None:
+            return
+        gen.hang["culprits"] = list(ev.culprits)
+        targets = [gen.addresses[r] for r in ev.culprits] or list(gen.addresses)
+        self._restart_workers(targets, f"job {job.name} hung")
+
+    def _force_end(self, job: LiveJob, gen: Generation) -> None:
+        """Ranks still running long after a peer failed are stuck: give up on them and restart
+        their workers (a Python thread cannot be killed; its process can)."""
+        stuck = gen.unfinished(job.spec.world_size)
+        self._out.append(Cancel(job.id, gen.number, stuck))
+        for rank in stuck:
+            self._record_failure(gen, rank, RankFailureInfo(
+                error="did not exit after a peer failed; its worker was restarted",
+                traceback="(no traceback)", host=self.inventory.host_of(gen.slots[rank]),
+                step=job.step, when=self.wall, peer=True))
+        self._restart_workers([gen.addresses[r] for r in stuck],
+                              f"job {job.name}: ranks stuck after a peer failed")
+        self._end_generation(job)
+
+    def _force_release(self, job: LiveJob, gen: Generation) -> None:
+        """The preemption grace ran out: stop the ranks without their checkpoint."""
+        stuck = gen.unfinished(job.spec.world_size)
+        self._out.append(Cancel(job.id, gen.number, stuck))
+        gen.forced = True
+        for rank in stuck:
+            gen.outcomes[rank] = {"outcome": "preempted", "step": job.step, "forced": True}
+        self._restart_workers([gen.addresses[r] for r in stuck],
+                              f"job {job.name} did not release its slots within the "
+                              "preemption grace period")
+        self._end_generation(job)
+
+    # ================================================================== ending a generation
+    def _end_generation(self, job: LiveJob) -> None:
+        gen = job.gen
+        assert gen is not None
+        job.gen = None
+        self._out.append(EndGeneration(job.id, gen.number))
+        if gen.failing:
+            self._generation_failed(job, gen)
+            return
+        outcomes = {str(o.get("outcome")) for o in gen.outcomes.values()}
+        step = max((int(o.get("step", 0)) for o in gen.outcomes.values()), default=job.step)
+        if job.stop_requested:
+            job.preempt = None
+            self._end_job(job, JobState.CANCELLED, f"stopped by user at step {step}",
+                          Cancelled(self.now, job.id))
+        elif "preempted" in outcomes and job.preempt is not None:
+            self._preempted(job, gen, step)
+        elif outcomes == {"completed"}:
+            self._end_job(job, JobState.SUCCEEDED, f"completed {step} steps",
+                          Finished(self.now, job.id))
+        else:
+            self._end_job(job, JobState.CANCELLED, f"stopped at step {step} "
+                                                   f"(outcomes: {sorted(outcomes)})",
+                          Finished(self.now, job.id))
+
+    def _preempted(self, job: LiveJob, gen: Generation, step: int) -> None:
+        pre = job.preempt
+        assert pre is not None
+        job.preempt = None
+        lost = 0
+        if gen.forced:
+            lost = job.ledger.rollback(job.committed_step)
+            step = job.committed_step
+        self._publish(job, preemption_event(self.wall, cause=pre.cause, reason=pre.reason,
+                                            for_job=pre.for_job, step=step, forced=gen.forced,
+                                            lost_steps=lost))
+        if pre.cause == "user":
+            job.ledger.enter("queued", self.now)
+            self._set_state(job, JobState.PREEMPTED, f"checkpointed at step {step} and released "
+                                                     "its slots; resume() to continue")
+            self._sched(Suspend(self.now, job.id))
+        elif pre.cause == "replace":
+            job.recovering = f"replacing a straggler ({pre.reason})"
+            job.queue_note = job.recovering
+            job.ledger.enter("recovery", self.now)
+            self._set_state(job, JobState.QUEUED, f"{job.recovering}: waiting for slots")
+            avoid = {pre.slot} if pre.slot else set()
+            self._sched(Released(self.now, job.id, avoid=frozenset(avoid | self._avoid(job))))
+        else:
+            forced = f" (forced: {lost} uncommitted steps lost)" if gen.forced else ""
+            job.queue_note = f"preempted for job {self._name(pre.for_job)} at step {step}{forced}"
+            job.ledger.enter("queued", self.now)
+            self._set_state(job, JobState.QUEUED, f"{job.queue_note}: waiting for slots")
+            self._sched(Released(self.now, job.id, avoid=frozenset(self._avoid(job))))
+
+    def _generation_failed(self, job: LiveJob, gen: Generation) -> None:
+        fault = self._describe_fault(job, gen)
+        if fault["host"]:
+            self.health.record(str(fault["host"]), self.now)
+        job.fault_log.append(fault)
+        if fault["rank"] is not None:
+            job.consume_faults(int(fault["rank"]), int(fault["step"]))
+        public = {k: v for k, v in fault.items() if not k.startswith("_")}
+        self._publish(job, public)
+        job.error = fault["_report"]
+        spec = job.spec
+        if job.stop_requested:
+            job.preempt = None
+            self._end_job(job, JobState.CANCELLED,
+                          f"stopped by user; a rank failed meanwhile: {fault['error']}",
+                          Cancelled(self.now, job.id))
+            return
+        window = spec.restart_window_s
+        recent = [t for t in job.restarts if self.now - t < window]
+        if len(recent) >= spec.max_restarts:
+            job.preempt = None
+            faults = "; ".join(f"{f['what']} on rank {f['rank']} ({f['host']}) at step "
+                               f"{f['step']}" for f in job.fault_log)
+            budget = (f"restart budget spent (max_restarts={spec.max_restarts} within "
+                      f"{window:.0f} s)" if spec.max_restarts else "max_restarts=0")
+            job.error = f"{budget}; faults: {faults}\n\n{fault['_report']}"
+            self._end_job(job, JobState.FAILED,
+                          f"{fault['what']} on rank {fault['rank']} at step {fault['step']}: "
+                          f"{fault['error']} ({budget})", Cancelled(self.now, job.id))
+            return
+        job.restarts.append(self.now)
+        resume_step = job.committed_step
+        fault["lost_steps"] = job.ledger.rollback(resume_step)
+        fault["resume_step"] = resume_step
+        avoid = set(self._avoid(job))
+        if fault["rank"] is not None:
+            avoid.add(gen.slots[int(fault["rank"])])
+        if job.preempt is not None and job.preempt.cause == "user":
+            job.preempt = None
+            job.ledger.enter("queued", self.now)
+            self._set_state(job, JobState.PREEMPTED,
+                            f"preempted; a rank failed while it checkpointed ({fault['what']}), "
+                            f"so it resumes from step {resume_step}: resume() to continue")
+            self._sched(Suspend(self.now, job.id))
+            return
+        job.preempt = None
+        job.recovering = (f"restart {len(recent) + 1}/{spec.max_restarts} after "
+                          f"{fault['what']} on rank {fault['rank']}")
+        job.queue_note = job.recovering
+        job.ledger.enter("recovery", self.now)
+        self._set_state(job, JobState.QUEUED, f"{job.recovering}: waiting for slots")
+        self._sched(Failed(self.now, job.id, requeue=True, avoid=frozenset(avoid)))
+
+    def _end_job(self, job: LiveJob, state: JobState, reason: str, event: SchedEvent) -> None:
+        job.ledger.enter("ended", self.now)
+        job.ended = self.wall
+        self._set_state(job, state, reason)
+        if self.sched is not None:
+            self._sched(event)
+        elif job.id in self._pending:
+            self._pending.remove(job.id)
+
+    def _describe_fault(self, job: LiveJob, gen: Generation) -> dict[str, Any]:
+        """What ended ``gen``, with one readable cause and the detection latency."""
+        rank: int | None
+        injected_when = None
+        if gen.injected is not None:
+            injected_when = float(gen.injected.get("when", 0)) or None
+        if gen.hang is not None:
+            hang = gen.hang
+            culprits = hang.get("culprits") or []
+            rank = culprits[0] if culprits else next(
+                (r for r, f in gen.failures.items() if not f.peer), None)
+            what = "hang"
+            error = (f"no step progress for {hang['silent_s']:.1f} s "
+                     f"(limit {hang['limit_s']:.1f} s)")
+            who = (f"rank {rank} was stuck outside a collective" if culprits
+                   else "no rank could be told apart: every rank's worker was restarted")
+            cause = (f"{error} = max({job.sub.policy.hang_factor:g} x median step "
+                     f"{hang['median_s']:.3f} s, floor {job.sub.policy.hang_floor_s:g} s); "
+                     f"{who}")
+            step = job.step
+            detected_wall = float(hang["detected_wall"])
+            detected_mono = float(hang["detected_mono"])
+            if injected_when is None:
+                injected_when = detected_wall - float(hang["silent_s"])
+            report = f"job {job.name} hung at step {step}: {cause}"
+        else:
+            rank, primary = primary_failure(gen.failures)
+            what = _LOST if primary.lost_worker else "exception"
+            error, step = primary.error, primary.step
+            if primary.lost_worker:
+                note = (f" (a {gen.injected['fault']['kind']} fault was injected)"
+                        if gen.injected else "")
+                cause = f"rank {rank}'s {error}{note}"
+            else:
+                cause = f"rank {rank} raised at step {step}: {error}"
+            detected_wall = gen.failed_wall if gen.failed_wall is not None else self.wall
+            detected_mono = gen.failed_at if gen.failed_at is not None else self.now
+            if injected_when is None and not primary.peer:
+                injected_when = primary.when  # the rank's own clock when it raised
+            peer = " (a peer rank went away)" if primary.peer else ""
+            report = (f"rank {rank} on {primary.host} failed at step {step}{peer}: {error}\n"
+                      f"--- remote traceback (rank {rank}) ---\n{primary.traceback}")
+        host = self.inventory.host_of(gen.slots[rank]) if rank is not None else None
+        detect_s = detected_wall - injected_when if injected_when is not None else None
+        fault: dict[str, Any] = dict(fault_event(
+            detected_wall, what=what, cause=cause, rank=rank, host=host, step=step,
+            error=error, generation=gen.number, detect_s=detect_s))
+        fault["_detected_mono"] = detected_mono
+        fault["_report"] = report
+        return fault
+
+    def _avoid(self, job: LiveJob) -> set[str]:
+        """Slots a restarting job should stay off when others fit: hosts that failed
+        repeatedly, and what its straggler policy excluded."""
+        names = self.health.excluded(self.now) | job.stragglers.excluded(self.now)
+        if not names:
+            return set()
+        hosts = self.inventory.hosts()
+        out = {s for h in names if h in hosts for s in hosts[h]}
+        out |= {n for n in names if n not in hosts}
+        return out
+
+    # ================================================================== preemption
+    def _preempt_for_scheduler(self, job: LiveJob, d: PreemptJob) -> None:
+        gen = job.gen
+        if gen is None or gen.failing or job.preempt is not None or job.stop_requested:
+            # The generation is ending anyway (a lost worker, a failure, a stop or another
+            # preemption); the scheduler hears about it when it has.
+            return
+        job.preempt = Preemption(cause="scheduler", reason=d.reason,
+                                 deadline=self.now + d.grace_s, for_job=d.for_job)
+        self._set_control(job, preempt=1)
+        self._set_state(job, JobState.STOPPING,
+                        f"{d.reason}: checkpointing at the next step boundary, then releasing "
+                        f"its slots (grace {d.grace_s:.0f} s)")
+
+    # ================================================================== requests
+    def _on_request(self, ev: Request) -> None:
+        job = self._jobs.get(ev.job_id)
+        if job is None or job.state.terminal:
+            return
+        what = ev.what
+        gen = job.gen
+        if what == "stop":
+            if gen is not None:
+                job.stop_requested = True
+                self._set_control(job, stop=1)
+                self._set_state(job, JobState.STOPPING, "stop requested: ending at the next "
+                                                        "step boundary")
+            elif job.state is JobState.PREEMPTED:
+                self._end_job(job, JobState.CANCELLED, "stopped by user while preempted",
+                              Cancelled(self.now, job.id))
+            else:
+                self._end_job(job, JobState.CANCELLED, "stopped by user while queued",
+                              Cancelled(self.now, job.id))
+        elif what == "preempt":
+            if gen is not None:
+                if job.stop_requested:
+                    return
+                if job.preempt is None:
+                    self._set_control(job, preempt=1)
+                job.preempt = Preemption(
+                    cause="user", reason="preempted by its user",
+                    deadline=self.now + self.sched_config.preempt_grace_s)
+                self._set_state(job, JobState.STOPPING, "preempting: checkpoint at the next "
+                                                        "step boundary, then release the slots")
+            elif job.state is JobState.QUEUED and self.sched is not None:
+                job.ledger.enter("queued", self.now)
+                self._set_state(job, JobState.PREEMPTED, "preempted while queued; resume() "
+                                                         "queues it again")
+                self._sched(Suspend(self.now, job.id))
+        elif what == "resume":
+            if job.state is JobState.PREEMPTED and self.sched is not None:
+                job.queue_note = "resuming"
+                self._set_state(job, JobState.QUEUED, "resuming: waiting for slots")
+                self._sched(Resume(self.now, job.id))
+        elif what == "checkpoint":
+            if gen is not None:
+                job.checkpoint_seq += 1
+                self._set_control(job, checkpoint=job.checkpoint_seq)
+        elif what == "stragglers":
+            for event in job.stragglers.update(**dict(ev.arg)):
+                self._publish(job, event)
+        elif what == "inject":
+            fault = ev.arg
+            job.planned.append(fault)
+            if gen is not None and fault.rank < len(gen.addresses):
+                self._out.append(Deliver(job.id, gen.addresses[fault.rank], fault))
+        else:
+            raise ValueError(f"unknown request {what!r}")
+
+    def _set_control(self, job: LiveJob, **flags: int) -> None:
+        gen = job.gen
+        if gen is None:
+            return
+        gen.control.update(flags)
+        self._out.append(SetControl(job.id, gen.number, dict(gen.control)))
+
+    # ================================================================== output
+    def _set_state(self, job: LiveJob, state: JobState, reason: str) -> None:
+        if job.state is state and job.reason == reason:
+            return
+        job.state = state
+        job.reason = reason
+        self._publish(job, state_event(self.wall, state.value, reason))
+
+    def _publish(self, job: LiveJob, event: Mapping[str, Any]) -> None:
+        event = dict(event)
+        event.setdefault("time", self.wall)
+        self._out.append(Publish(job.id, event))
+
+    def _publish_cluster(self, event: dict[str, Any]) -> None:
+        event.setdefault("time", self.wall)
+        self._out.append(Publish(None, event))
+
+    def _addresses(self, job: LiveJob) -> tuple[str, ...]:
+        return job.gen.addresses if job.gen is not None else ()
+
+    def _name(self, job_id: str | None) -> str:
+        job = self._jobs.get(job_id or "")
+        return job.name if job is not None else str(job_id)

@@ -1,0 +1,260 @@
+"""The job machine's vocabulary: what a job asks for, events in, commands out (pure).
+
+Every event carries ``now`` (the engine's monotonic clock, for durations and deadlines) and
+``wall`` (epoch seconds, for what people read). The machine reads no clock, so a unit test
+drives hours of a job's life by hand and the engine replays exactly what it saw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbtrain.core.faults import Fault
+from nbtrain.core.job import JobSpec
+from nbtrain.core.mitigation import MitigationSettings
+
+__all__ = [
+    "Cancel",
+    "Command",
+    "Deliver",
+    "Diagnose",
+    "EndGeneration",
+    "Event",
+    "HangDiagnosed",
+    "JobPolicy",
+    "JobSubmission",
+    "Launch",
+    "MachineConfig",
+    "Publish",
+    "RankExit",
+    "RankFailureInfo",
+    "RankMessage",
+    "Rejected",
+    "Request",
+    "RestartWorkers",
+    "SetControl",
+    "Submitted",
+    "Tick",
+    "WorkerJoined",
+    "WorkerLeft",
+]
+
+
+# ------------------------------------------------------------------------------- what a job is
+@dataclass(frozen=True, kw_only=True)
+class JobPolicy:
+    """How the controller watches one job (seconds). Built from the submitting client's
+    ``nbtrain.Settings``; see there for tuning advice."""
+
+    hang_factor: float = 20.0
+    hang_floor_s: float = 3.0
+    peer_release_s: float = 0.3
+    failure_grace_s: float = 10.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSubmission:
+    """Everything the machine needs about a new job (the recipe itself stays in the engine)."""
+
+    spec: JobSpec
+    owner: str = ""
+    policy: JobPolicy = field(default_factory=JobPolicy)
+    mitigation: MitigationSettings = field(default_factory=MitigationSettings)
+    faults: tuple[Fault, ...] = ()
+    #: Newest committed step of the ``resume=`` source (0: a fresh start).
+    resume_step: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class MachineConfig:
+    """Cluster-wide settings of the machine (the gang scheduler has its own config)."""
+
+    #: A host whose ranks fail this many times within the window is avoided for a while.
+    host_failure_limit: int = 2
+    host_failure_window_s: float = 600.0
+    host_exclusion_s: float = 300.0
+    #: How often the gang scheduler gets a ``Tick`` (waiting-time aging, fair share).
+    scheduler_tick_s: float = 1.0
+    #: A worker asked to restart that has not come back after this long is reported lost.
+    worker_return_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class RankFailureInfo:
+    """Why a rank task ended in error, as the engine could tell."""
+
+    error: str
+    traceback: str
+    host: str
+    step: int
+    when: float  # the rank's wall clock when it failed
+    peer: bool  # a consequence of another rank's failure (a collective lost its peer)
+    lost_worker: bool = False  # the rank's worker process went away
+
+
+# ------------------------------------------------------------------------------------ events
+@dataclass(frozen=True)
+class Submitted:
+    now: float
+    wall: float
+    job: JobSubmission
+
+
+@dataclass(frozen=True)
+class Request:
+    """A user's request: ``stop``, ``preempt``, ``resume``, ``checkpoint``, ``inject``
+    (``arg``: a ``Fault``) or ``stragglers`` (``arg``: detector setting changes)."""
+
+    now: float
+    wall: float
+    job_id: str
+    what: str
+    arg: Any = None
+
+
+@dataclass(frozen=True)
+class RankMessage:
+    """An event a rank sent (see ``nbtrain.core.jobevents.RANK_KINDS``)."""
+
+    now: float
+    wall: float
+    job_id: str
+    msg: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """A rank task of ``generation`` ended: ``outcome`` (its summary) or ``failure``."""
+
+    now: float
+    wall: float
+    job_id: str
+    generation: int
+    rank: int
+    outcome: Mapping[str, Any] | None = None
+    failure: RankFailureInfo | None = None
+
+
+@dataclass(frozen=True)
+class WorkerJoined:
+    now: float
+    wall: float
+    address: str
+    host: str
+    name: str = ""
+    nvlink: str = ""
+    leaf: str = ""
+
+
+@dataclass(frozen=True)
+class WorkerLeft:
+    now: float
+    wall: float
+    address: str
+
+
+@dataclass(frozen=True)
+class HangDiagnosed:
+    """Which ranks of a hung generation are stuck outside a collective (empty: unknown)."""
+
+    now: float
+    wall: float
+    job_id: str
+    generation: int
+    culprits: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Tick:
+    now: float
+    wall: float
+
+
+Event = (Submitted | Request | RankMessage | RankExit | WorkerJoined | WorkerLeft
+         | HangDiagnosed | Tick)
+
+
+# ---------------------------------------------------------------------------------- commands
+@dataclass(frozen=True)
+class Launch:
+    """Start ``generation``: rank ``r`` on worker ``addresses[r]``. ``faults``: planned
+    faults not fired yet; ``control``: requests already standing (e.g. a checkpoint)."""
+
+    job_id: str
+    generation: int
+    addresses: tuple[str, ...]
+    faults: tuple[Fault, ...]
+    control: Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class SetControl:
+    """The control flags ranks of ``generation`` act on at their next agreement."""
+
+    job_id: str
+    generation: int
+    flags: Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class Deliver:
+    """Hand ``fault`` to the rank running on ``address``."""
+
+    job_id: str
+    address: str
+    fault: Fault
+
+
+@dataclass(frozen=True)
+class RestartWorkers:
+    """Restart these workers through their nannies (their slots are offline meanwhile)."""
+
+    addresses: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Give up on these rank tasks (their workers are being restarted or are gone)."""
+
+    job_id: str
+    generation: int
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Diagnose:
+    """Find which ranks of a hung generation are stuck; answer with ``HangDiagnosed``."""
+
+    job_id: str
+    generation: int
+
+
+@dataclass(frozen=True)
+class EndGeneration:
+    """Nothing of ``generation`` runs any more: drop its tasks and rendezvous."""
+
+    job_id: str
+    generation: int
+
+
+@dataclass(frozen=True)
+class Publish:
+    """Append ``event`` to the log of ``job_id`` (``None``: the cluster's log)."""
+
+    job_id: str | None
+    event: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A submission that will not run, with the values and the fix."""
+
+    job_id: str
+    reason: str
+
+
+Command = (Launch | SetControl | Deliver | RestartWorkers | Cancel | Diagnose | EndGeneration
+           | Publish | Rejected)

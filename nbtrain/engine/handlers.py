@@ -1,0 +1,273 @@
+"""The controller's handlers: what clients and ranks call on the Dask scheduler.
+
+Clients: ``nbtrain_submit``, ``nbtrain_request``, ``nbtrain_follow`` (long-poll for a job's
+new rows, events and status), ``nbtrain_jobs``, ``nbtrain_job``, ``nbtrain_cluster``. Ranks:
+``nbtrain_rendezvous`` and ``nbtrain_control`` (long-polls). Every reply is a dict with
+``ok``; failures carry the error's kind (:mod:`nbtrain.engine.wire`), so a refused request
+is a clear exception on the client, not a traceback in the scheduler's log.
+
+Ownership: ``submit`` returns a random token; a request on a job must carry that token or
+the operator's. This prevents mistakes between the users of a shared cluster, not attacks:
+any Dask client can run arbitrary code on the workers (see the README's security notes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import secrets
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from nbtrain.config import Settings
+from nbtrain.core.faults import Fault
+from nbtrain.core.lifecycle_types import Rejected, Request, Submitted
+from nbtrain.engine.joblog import JobLog
+from nbtrain.engine.wire import error_reply, submission_from_wire
+
+if TYPE_CHECKING:
+    from nbtrain.engine.controller import ClusterController
+
+__all__ = ["install"]
+
+#: Requests a job's owner (or the operator) may make.
+REQUESTS = ("stop", "preempt", "resume", "checkpoint", "inject", "stragglers")
+#: After the first news, a follower waits this long so rows of all ranks come in one reply.
+FOLLOW_BATCH_S = 0.02
+
+
+def install(ctl: ClusterController, scheduler: Any) -> None:
+    """Register the handlers on the scheduler (replacing any of an older controller)."""
+    table: dict[str, Callable[..., Awaitable[dict[str, Any]]]] = {
+        "nbtrain_submit": functools.partial(submit, ctl),
+        "nbtrain_request": functools.partial(request, ctl),
+        "nbtrain_follow": functools.partial(follow, ctl),
+        "nbtrain_jobs": functools.partial(jobs, ctl),
+        "nbtrain_job": functools.partial(job, ctl),
+        "nbtrain_cluster": functools.partial(cluster, ctl),
+        "nbtrain_rendezvous": functools.partial(rendezvous, ctl),
+        "nbtrain_control": functools.partial(control, ctl),
+    }
+    for name, fn in table.items():
+        scheduler.handlers[name] = _replying(fn)
+
+
+def _replying(fn: Callable[..., Awaitable[dict[str, Any]]]
+              ) -> Callable[..., Awaitable[dict[str, Any]]]:
+    async def handler(**kwargs: Any) -> dict[str, Any]:
+        try:
+            return {"ok": True, **(await fn(**kwargs))}
+        except (ValueError, PermissionError, LookupError, TypeError) as exc:
+            return error_reply(exc)
+        except Exception as exc:  # a controller bug: say so, keep the scheduler running
+            import logging
+
+            logging.getLogger(__name__).exception("nbtrain handler failed")
+            return error_reply(RuntimeError(f"nbtrain controller error: "
+                                            f"{type(exc).__name__}: {exc}"))
+
+    handler.__name__ = getattr(fn, "__name__", "nbtrain_handler")
+    return handler
+
+
+# ====================================================================== clients
+async def submit(ctl: ClusterController, *, job: Mapping[str, Any], recipe: bytes,
+                 settings: Mapping[str, Any], checkpoint_url: str,
+                 restore: list[Any] | None = None, token: str = "") -> dict[str, Any]:
+    from nbtrain.engine.controller import JobAssets, token_hash
+
+    sub = submission_from_wire(job)
+    spec = sub.spec
+    operator = _is_operator(ctl, token)
+    ceiling = ctl.settings.priority_ceiling
+    if spec.priority > ceiling and not operator:
+        raise PermissionError(
+            f"job {spec.name}: priority {spec.priority} is above this cluster's ceiling "
+            f"{ceiling}; only the operator may submit above it (connect with its "
+            "operator_token), or use a priority <= "
+            f"{ceiling}")
+    if spec.job_id in ctl.assets:
+        raise ValueError(f"job id {spec.job_id!r} is already in use; submit under a new id")
+    job_token = secrets.token_hex(16)
+    ctl.assets[spec.job_id] = JobAssets(
+        spec=spec, recipe=bytes(recipe), settings=Settings(**dict(settings)),
+        checkpoint_url=checkpoint_url,
+        restore=(str(restore[0]), None if restore[1] is None else int(restore[1]))
+        if restore else None,
+        token_hash=token_hash(job_token), log=JobLog(rows_kept=ctl.settings.rows_kept))
+    now, wall = ctl.now()
+    commands = ctl.feed(Submitted(now, wall, sub))
+    rejected = [c for c in commands if isinstance(c, Rejected) and c.job_id == spec.job_id]
+    if rejected:
+        ctl.assets.pop(spec.job_id, None)
+        raise ValueError(rejected[0].reason)
+    return {"job_id": spec.job_id, "token": job_token, "status": ctl.machine.status(
+        spec.job_id).to_dict()}
+
+
+async def request(ctl: ClusterController, *, job_id: str, what: str, arg: Any = None,
+                  token: str = "") -> dict[str, Any]:
+    if what not in REQUESTS:
+        raise ValueError(f"unknown request {what!r}; one of {', '.join(REQUESTS)}")
+    status = _known(ctl, job_id)
+    assets = ctl.assets[job_id]
+    from nbtrain.engine.controller import token_hash
+
+    if not token or (token_hash(token) != assets.token_hash and not _is_operator(ctl, token)):
+        owner = status["owner"] or "another client"
+        raise PermissionError(
+            f"job {status['name']} ({job_id}) belongs to {owner}: only the handle that "
+            f"submitted it, a client holding its token, or the cluster's operator may "
+            f"{what} it")
+    if what == "inject":
+        arg = Fault.from_dict(dict(arg))
+        if not 0 <= arg.rank < int(status["world_size"]):
+            raise ValueError(f"rank must be in 0..{int(status['world_size']) - 1}, "
+                             f"got {arg.rank}")
+    if what == "resume" and status["state"] != "PREEMPTED":
+        raise ValueError(
+            f"job {status['name']} is {status['state']}: only a PREEMPTED job can resume(); "
+            "to continue an ended job submit it again with resume='latest'")
+    now, wall = ctl.now()
+    ctl.feed(Request(now, wall, job_id, what, arg))
+    return {"status": ctl.machine.status(job_id).to_dict()}
+
+
+async def follow(ctl: ClusterController, *, cursors: Mapping[str, list[int]],
+                 timeout: float = 2.0, max_rows: int = 20_000) -> dict[str, Any]:
+    """New rows and events of the followed jobs, and their status. Returns as soon as any
+    has news (after a short pause that batches what arrives together), or after
+    ``timeout`` seconds with the statuses alone."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + max(0.0, float(timeout))
+    while True:
+        news = {jid: (r, e) for jid, (r, e) in cursors.items()
+                if jid in ctl.assets and ctl.assets[jid].log.has_news(r, e)}
+        gone = [jid for jid in cursors if jid not in ctl.assets]
+        remaining = deadline - loop.time()
+        if news or gone or remaining <= 0:
+            break
+        waiter = ctl._news
+        try:
+            await asyncio.wait_for(waiter.wait(), remaining)
+        except TimeoutError:
+            continue
+        await asyncio.sleep(FOLLOW_BATCH_S)  # let rows from the other ranks arrive with these
+    out: dict[str, Any] = {}
+    for jid, (rows_from, events_from) in cursors.items():
+        assets = ctl.assets.get(jid)
+        status = ctl._status(jid) if assets is not None else None
+        if assets is None or status is None:
+            out[jid] = {"gone": True}
+            continue
+        update = assets.log.since(rows_from, events_from, max_rows)
+        update["status"] = status
+        out[jid] = update
+    return {"jobs": out}
+
+
+async def jobs(ctl: ClusterController) -> dict[str, Any]:
+    listing = [ctl._status(jid) for jid in ctl.machine.job_ids()]
+    return {"jobs": [s for s in listing if s is not None]}
+
+
+async def job(ctl: ClusterController, *, key: str) -> dict[str, Any]:
+    """One job by id, or the newest job of that name: what a client needs to attach."""
+    ids = ctl.machine.job_ids()
+    if key not in ids:
+        named = [jid for jid in ids if ctl.assets.get(jid) and ctl.assets[jid].spec.name == key]
+        if not named:
+            names = sorted({ctl.assets[j].spec.name for j in ids if j in ctl.assets})
+            raise LookupError(f"no job with id or name {key!r} on this cluster; its jobs: "
+                              f"{', '.join(names[-20:]) or 'none'}")
+        key = named[-1]
+    assets = ctl.assets[key]
+    from nbtrain.engine.wire import plain
+
+    return {"job_id": key, "spec": plain(assets.spec), "checkpoint_url": assets.checkpoint_url,
+            "status": ctl._status(key)}
+
+
+async def cluster(ctl: ClusterController, *, log_from: int = 0) -> dict[str, Any]:
+    queue = [] if ctl.machine.sched is None else ctl.machine.sched.queued()
+    at, log = ctl.cluster_log.since(log_from, 1_000)
+    return {"slots": [dict(s) for s in ctl.machine.slots()], "queue": queue,
+            "jobs": (await jobs(ctl))["jobs"], "team_usage": ctl.machine.team_usage(),
+            "log_at": at, "log": log, "decision_ms": _decision_ms(ctl)}
+
+
+def _decision_ms(ctl: ClusterController) -> dict[str, float]:
+    times = sorted(ctl.decision_s)
+    if not times:
+        return {}
+    pick = lambda q: 1e3 * times[min(len(times) - 1, int(q * len(times)))]  # noqa: E731
+    return {"p50": pick(0.5), "p99": pick(0.99), "max": 1e3 * times[-1], "n": len(times)}
+
+
+# ====================================================================== ranks
+async def rendezvous(ctl: ClusterController, *, job_id: str, generation: int, rank: int,
+                     host: str | None = None, port: int | None = None,
+                     timeout: float = 60.0) -> dict[str, Any]:
+    """Rank 0 publishes its store's address; the other ranks wait for it."""
+    assets = ctl.assets.get(job_id)
+    if assets is None:
+        raise LookupError(f"no job {job_id!r}")
+    if rank == 0:
+        assets.rendezvous[generation] = {"host": host, "port": port}
+        ctl.wake_rendezvous()
+        return {"host": host, "port": port}
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while generation not in assets.rendezvous:
+        if generation < _current_generation(ctl, job_id):
+            raise LookupError(f"generation {generation} of job {job_id} has ended")
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            raise LookupError(f"rank 0 of job {job_id} generation {generation} did not publish "
+                              f"its rendezvous within {timeout:.0f} s")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ctl._rdzv_news.wait(), remaining)
+    return dict(assets.rendezvous[generation])
+
+
+async def control(ctl: ClusterController, *, job_id: str, generation: int, version: int,
+                  timeout: float = 1.0) -> dict[str, Any]:
+    """The generation's control flags once they differ from ``version`` (or after
+    ``timeout``); ``ended`` when the generation is over."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        assets = ctl.assets.get(job_id)
+        state = assets.control if assets is not None else {}
+        if assets is None or state.get("ended") or state.get("gen") != generation:
+            return {"ended": True, "version": -1, "flags": {}}
+        if int(state.get("version", 0)) != version:
+            return {"ended": False, "version": state["version"], "flags": state["flags"]}
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return {"ended": False, "version": version, "flags": state["flags"]}
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ctl._control_news.wait(), remaining)
+
+
+# ====================================================================== helpers
+def _known(ctl: ClusterController, job_id: str) -> dict[str, Any]:
+    status = ctl._status(job_id) if job_id in ctl.assets else None
+    if status is None:
+        raise LookupError(f"no job {job_id!r} on this cluster (ended jobs are forgotten after "
+                          f"{ctl.settings.jobs_kept} more have ended)")
+    return status
+
+
+def _is_operator(ctl: ClusterController, token: str) -> bool:
+    from nbtrain.engine.controller import token_hash
+
+    return bool(token) and bool(ctl.operator_hash) and token_hash(token) == ctl.operator_hash
+
+
+def _current_generation(ctl: ClusterController, job_id: str) -> int:
+    try:
+        return ctl.machine.status(job_id).generation
+    except KeyError:
+        return 1 << 30

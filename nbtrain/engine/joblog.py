@@ -1,0 +1,69 @@
+"""What the controller keeps of each job for clients that follow or attach later (torch-free).
+
+Step rows (``nbtrain.core.records.JOB_ROW_COLUMNS``) and events, each an append-only list
+addressed by absolute position, so a client asks for "everything after position n" and never
+misses or repeats anything. Memory is bounded: past ``rows_kept`` rows (or ``events_kept``
+events) the oldest are dropped, and a client that was further behind starts at the oldest
+kept position (``base``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["JobLog", "Tail"]
+
+
+class Tail:
+    """An append-only list that forgets its oldest items beyond ``keep``."""
+
+    def __init__(self, keep: int) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.keep = keep
+        self.base = 0  # absolute position of items[0]
+        self.items: list[Any] = []
+
+    @property
+    def end(self) -> int:
+        return self.base + len(self.items)
+
+    def extend(self, items: Iterable[Any]) -> None:
+        self.items.extend(items)
+        # Trim in chunks, so a steady stream does not shift the list on every append.
+        if len(self.items) > self.keep + max(1, self.keep // 8):
+            drop = len(self.items) - self.keep
+            del self.items[:drop]
+            self.base += drop
+
+    def since(self, position: int, limit: int) -> tuple[int, list[Any]]:
+        """(absolute position of the first item returned, items after ``position``)."""
+        start = max(position, self.base)
+        i = start - self.base
+        return start, self.items[i : i + limit]
+
+
+class JobLog:
+    """Rows and events of one job, plus what a client needs to rebuild its handle."""
+
+    def __init__(self, *, rows_kept: int, events_kept: int = 20_000) -> None:
+        self.rows = Tail(rows_kept)
+        self.events = Tail(events_kept)
+
+    def add_rows(self, generation: int, rank: int, rows: Sequence[Sequence[Any]]) -> None:
+        self.rows.extend((generation, rank, *row) for row in rows)
+
+    def add_event(self, event: Mapping[str, Any]) -> None:
+        self.events.extend([dict(event)])
+
+    def since(self, rows_from: int, events_from: int, max_rows: int) -> dict[str, Any]:
+        """What a follower at these positions has not seen yet (``rows_at``/``events_at`` are
+        the absolute positions of the first returned items)."""
+        rows_at, rows = self.rows.since(rows_from, max_rows)
+        events_at, events = self.events.since(events_from, 10_000)
+        return {"rows_at": rows_at, "rows": rows, "events_at": events_at, "events": events,
+                "rows_end": self.rows.end, "events_end": self.events.end}
+
+    def has_news(self, rows_from: int, events_from: int) -> bool:
+        return self.rows.end > rows_from or self.events.end > events_from

@@ -1,0 +1,111 @@
+"""The client's line to the controller: calls, and one follower thread per cluster.
+
+Job handles are mirrors: the controller (inside the Dask scheduler) owns every job's state,
+and a handle holds what it last heard. One daemon thread per :class:`~nbtrain.engine.cluster.
+Cluster` long-polls ``nbtrain_follow`` for all the handles it follows: the call returns as
+soon as any of them has new step rows, events or a new state (or every couple of seconds with
+fresh statuses), so handles are current within milliseconds and the kernel never waits.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from distributed import Client
+
+from nbtrain.engine.wire import ControllerError, raise_for
+
+if TYPE_CHECKING:
+    from nbtrain.engine.job import JobHandle
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Follower", "Remote"]
+
+#: How long one follow call may wait for news before it returns statuses alone.
+FOLLOW_TIMEOUT_S = 2.0
+#: Timeout of a plain call to the controller.
+CALL_TIMEOUT_S = 60.0
+
+
+class Remote:
+    """Calls the controller's handlers through a Dask client (from any thread but the
+    client's own event loop)."""
+
+    def __init__(self, client: Client, operator_token: str = "") -> None:
+        self.client = client
+        self.operator_token = operator_token
+
+    def call(self, op: str, *, rpc_timeout: float = CALL_TIMEOUT_S, **kwargs: Any
+             ) -> Mapping[str, Any]:
+        try:
+            reply = self.client.sync(getattr(self.client.scheduler, op),
+                                     callback_timeout=rpc_timeout, **kwargs)
+        except (OSError, TimeoutError) as exc:
+            raise ControllerError(f"the nbtrain controller did not answer {op}: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+        if not isinstance(reply, Mapping):
+            raise ControllerError(
+                f"the Dask scheduler does not run nbtrain's controller (reply to {op}: "
+                f"{reply!r}); connect with nbtrain.connect(), which registers it")
+        return raise_for(reply)
+
+
+class Follower:
+    """Keeps the handles of one cluster current (a daemon thread, started on first use)."""
+
+    def __init__(self, remote: Remote) -> None:
+        self.remote = remote
+        self._handles: dict[str, JobHandle] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.errors = 0
+
+    def follow(self, handle: JobHandle) -> None:
+        with self._lock:
+            self._handles[handle.id] = handle
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="nbtrain-follower",
+                                                daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            with self._lock:
+                handles = {jid: h for jid, h in self._handles.items() if not h._drained()}
+                self._handles = dict(handles)
+            if not handles:
+                self._wake.wait(1.0)
+                self._wake.clear()
+                continue
+            cursors = {jid: list(h._cursor()) for jid, h in handles.items()}
+            try:
+                reply = self.remote.call("nbtrain_follow", cursors=cursors,
+                                         timeout=FOLLOW_TIMEOUT_S)
+            except Exception as exc:
+                if self._closed.is_set():
+                    return
+                self.errors += 1
+                for h in handles.values():
+                    h._connection_problem(exc)
+                time.sleep(min(5.0, 0.2 * self.errors))
+                continue
+            self.errors = 0
+            for jid, update in dict(reply.get("jobs", {})).items():
+                handle = handles.get(jid)
+                if handle is not None:
+                    try:
+                        handle._apply(update)
+                    except Exception:  # a malformed update must not stop following
+                        logger.exception("nbtrain: applying an update to job %s failed", jid)

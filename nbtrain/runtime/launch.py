@@ -1,0 +1,53 @@
+"""What one rank task is given: the launch spec and its checkpoint plan (torch-free).
+
+Built by the controller inside the Dask scheduler process, which never imports torch, and
+pickled to the rank's worker, where :func:`nbtrain.runtime.loop.run_rank` runs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbtrain.config import Settings
+from nbtrain.core.checkpoint_policy import CheckpointPolicyConfig
+from nbtrain.core.faults import Fault
+
+__all__ = ["CheckpointPlan", "RankLaunch"]
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """Where a generation writes and reads checkpoints.
+
+    ``restore_from``: checkpoint directories to resume from, in order of preference, each
+    with the newest step to consider (None: any). The ranks take the first that holds a
+    committed checkpoint: the job's own directory once it has one, else the ``resume=``
+    source. Empty: a fresh start.
+    """
+
+    url: str  # this job's own checkpoint directory
+    policy: CheckpointPolicyConfig
+    keep: int = 3
+    restore_from: tuple[tuple[str, int | None], ...] = ()
+    commit_timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class RankLaunch:
+    """Everything one rank task needs; built by the controller, pickled to the worker."""
+
+    job_id: str
+    rank: int
+    world_size: int
+    generation: int
+    recipe: bytes  # cloudpickled Recipe, as the submitting client made it
+    steps: int
+    seed: int
+    host_slots: int  # slots of the cluster on this rank's host, to size torch threads
+    settings: Settings
+    checkpoint: CheckpointPlan | None = None
+    faults: tuple[Fault, ...] = ()
+    job_info: dict[str, Any] | None = None  # the job spec, recorded in checkpoint manifests
+    control: Mapping[str, int] = field(default_factory=dict)  # requests standing at launch

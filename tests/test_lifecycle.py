@@ -1,0 +1,432 @@
+"""The job machine, driven by hand: every transition without a cluster (pure, fast)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+
+from nbtrain.core.faults import Fault
+from nbtrain.core.job import JobSpec
+from nbtrain.core.lifecycle import JobMachine
+from nbtrain.core.lifecycle_types import (
+    Cancel,
+    Command,
+    Deliver,
+    Diagnose,
+    EndGeneration,
+    HangDiagnosed,
+    JobPolicy,
+    JobSubmission,
+    Launch,
+    MachineConfig,
+    Publish,
+    RankExit,
+    RankFailureInfo,
+    RankMessage,
+    Rejected,
+    Request,
+    RestartWorkers,
+    SetControl,
+    Submitted,
+    Tick,
+    WorkerJoined,
+    WorkerLeft,
+)
+from nbtrain.core.sched_types import SchedulerConfig
+
+POLICY = JobPolicy(hang_factor=20.0, hang_floor_s=3.0, peer_release_s=0.3, failure_grace_s=10.0)
+
+
+class Harness:
+    """A machine, a hand-driven clock, and everything it said."""
+
+    def __init__(self, workers: int = 2, *, grace_s: float = 30.0, hosts: int = 1,
+                 worker_return_s: float = 120.0) -> None:
+        self.m = JobMachine(MachineConfig(worker_return_s=worker_return_s),
+                            SchedulerConfig(preempt_grace_s=grace_s))
+        self.t = 100.0
+        self.out: list[Command] = []
+        self.next_port = 4000
+        self.reported: dict[tuple[str, int, int], int] = {}
+        for i in range(workers):
+            self.join(host=f"h{i % hosts}")
+
+    # -- feeding ------------------------------------------------------------------------
+    def feed(self, event_type: Any, *args: Any, **kwargs: Any) -> list[Command]:
+        out = self.m.handle(event_type(self.t, 1e9 + self.t, *args, **kwargs))
+        self.out += out
+        return out
+
+    def advance(self, seconds: float) -> list[Command]:
+        self.t += seconds
+        return self.feed(Tick)
+
+    def join(self, host: str = "h0", name: str = "") -> str:
+        addr = f"tcp://{host}:{self.next_port}"
+        self.next_port += 1
+        self.feed(WorkerJoined, addr, host, name)
+        return addr
+
+    def submit(self, job_id: str, world_size: int = 2, *, priority: int = 0,
+               team: str = "default", queue: bool = True, max_restarts: int = 3,
+               faults: Iterable[Fault] = ()) -> list[Command]:
+        spec = JobSpec(job_id=job_id, name=f"job-{job_id}", world_size=world_size, steps=1000,
+                       priority=priority, team=team, queue=queue, max_restarts=max_restarts)
+        return self.feed(Submitted, JobSubmission(spec=spec, policy=POLICY, faults=tuple(faults)))
+
+    def steps(self, job_id: str, gen: int, upto: int, ranks: Iterable[int] = (0, 1),
+              step_s: float = 0.01) -> None:
+        for rank in ranks:
+            first = self.reported.get((job_id, gen, rank), 0) + 1
+            self.reported[(job_id, gen, rank)] = upto
+            rows = [[s, 1e9 + self.t, step_s, 0.0, step_s * 0.8, 0.0, step_s * 0.2]
+                    for s in range(first, upto + 1)]
+            self.feed(RankMessage, job_id, {"kind": "steps", "rank": rank, "gen": gen,
+                                            "rows": rows})
+
+    def committed(self, job_id: str, gen: int, step: int) -> None:
+        self.feed(RankMessage, job_id, {"kind": "checkpoint", "phase": "committed",
+                                        "step": step, "rank": 0, "gen": gen})
+
+    def exit(self, job_id: str, gen: int, rank: int, outcome: str = "completed",
+             step: int = 1000) -> list[Command]:
+        return self.feed(RankExit, job_id, gen, rank, {"outcome": outcome, "step": step})
+
+    def fail(self, job_id: str, gen: int, rank: int, *, peer: bool = False, step: int = 10,
+             error: str = "ValueError: boom") -> list[Command]:
+        info = RankFailureInfo(error=error, traceback="Traceback...", host="h0", step=step,
+                               when=1e9 + self.t - 0.01, peer=peer)
+        return self.feed(RankExit, job_id, gen, rank, None, info)
+
+    # -- reading ------------------------------------------------------------------------
+    def state(self, job_id: str) -> str:
+        return self.m.status(job_id).state
+
+    def reason(self, job_id: str) -> str:
+        return self.m.status(job_id).reason
+
+    def of(self, kind: type, out: list[Command] | None = None) -> list[Any]:
+        return [c for c in (self.out if out is None else out) if isinstance(c, kind)]
+
+    def launches(self, job_id: str) -> list[Launch]:
+        return [c for c in self.of(Launch) if c.job_id == job_id]
+
+    def events(self, job_id: str, kind: str) -> list[dict[str, Any]]:
+        return [dict(c.event) for c in self.of(Publish)
+                if c.job_id == job_id and c.event.get("kind") == kind]
+
+
+def run_to_running(h: Harness, job_id: str = "a", world_size: int = 2) -> Launch:
+    h.submit(job_id, world_size)
+    launch = h.launches(job_id)[-1]
+    h.steps(job_id, launch.generation, 5, ranks=range(world_size))
+    assert h.state(job_id) == "RUNNING"
+    return launch
+
+
+def test_no_workers_queues_then_starts_when_one_joins() -> None:
+    h = Harness(workers=0)
+    h.submit("a", 1)
+    assert h.state("a") == "QUEUED" and "the cluster has 0" in h.reason("a")
+    h.join()
+    [launch] = h.launches("a")
+    assert launch.generation == 0 and len(launch.addresses) == 1
+    assert h.state("a") == "STARTING"
+
+
+def test_gang_waits_whole_with_the_reason_and_starts_when_workers_join() -> None:
+    h = Harness(workers=3)
+    h.submit("a", 4)
+    assert h.launches("a") == []
+    assert h.reason("a") == ("needs 4 slots at once; the cluster has 3: waiting for workers "
+                             "to join")
+    h.join()
+    [launch] = h.launches("a")
+    assert len(set(launch.addresses)) == 4
+
+
+def test_fail_fast_submission_is_rejected_with_the_numbers() -> None:
+    h = Harness(workers=2)
+    run_to_running(h, "a")
+    out = h.submit("b", 2, queue=False)
+    [rejected] = h.of(Rejected, out)
+    assert rejected.reason.startswith("job job-b needs 2 slots at once but only 0 of the "
+                                      "cluster's 2 are free (queue=False")
+    assert "b" not in h.m.job_ids()
+
+
+def test_run_to_completion() -> None:
+    h = Harness()
+    launch = run_to_running(h)
+    h.exit("a", 0, 0)
+    assert h.state("a") == "RUNNING"
+    out = h.exit("a", 0, 1)
+    assert h.of(EndGeneration, out) == [EndGeneration("a", 0)]
+    assert h.state("a") == "SUCCEEDED" and h.reason("a") == "completed 1000 steps"
+    assert len(launch.addresses) == 2
+    # The slots are free again: the next job starts at once.
+    h.submit("b")
+    assert h.launches("b")
+
+
+def test_exception_releases_peers_then_recovers_on_a_spare_avoiding_the_failed_slot() -> None:
+    h = Harness(workers=3)
+    launch = run_to_running(h)
+    h.committed("a", 0, 4)
+    h.steps("a", 0, 12)
+    h.fail("a", 0, 1, step=12)
+    # Peers blocked in gloo: the failed rank's worker is restarted after peer_release_s.
+    assert h.of(RestartWorkers, h.advance(0.1)) == []
+    [restart] = h.of(RestartWorkers, h.advance(0.3))
+    assert restart.addresses == (launch.addresses[1],)
+    h.fail("a", 0, 0, peer=True, step=12, error="DistBackendError: Connection closed by peer")
+    [fault] = h.m.status("a").faults
+    assert fault["what"] == "exception" and fault["rank"] == 1 and fault["resume_step"] == 4
+    assert fault["lost_steps"] == 8  # steps 5..12 ran after the checkpoint of step 4
+    assert "rank 1 raised at step 12" in fault["cause"]
+    relaunch = h.launches("a")[-1]
+    assert relaunch.generation == 1
+    assert launch.addresses[1] not in relaunch.addresses  # the spare, not the restarting slot
+    h.steps("a", 1, 7)
+    [recovery] = h.events("a", "recovery")
+    assert recovery["recovery_s"] is not None and recovery["recovery_s"] >= 0
+
+
+def test_restart_budget_exhausted_fails_with_every_fault() -> None:
+    h = Harness()
+    h.submit("a", 2, max_restarts=1)
+    for gen in (0, 1):
+        h.steps("a", gen, 5)
+        h.fail("a", gen, 0)
+        h.fail("a", gen, 1, peer=True)
+        h.advance(1.0)  # lets restarted workers come back
+        for slot in h.m.slots():
+            if slot["state"] == "restarting":
+                h.join()
+    assert h.state("a") == "FAILED"
+    assert "restart budget spent (max_restarts=1" in h.reason("a")
+    error = h.m.status("a").error or ""
+    assert error.count("exception on rank 0") == 2 and "Traceback" in error
+
+
+def test_zero_restarts_fails_at_the_first_fault() -> None:
+    h = Harness()
+    h.submit("a", 2, max_restarts=0)
+    h.fail("a", 0, 1)
+    h.fail("a", 0, 0, peer=True)
+    assert h.state("a") == "FAILED" and "max_restarts=0" in h.reason("a")
+
+
+def test_user_preempt_then_resume() -> None:
+    h = Harness()
+    run_to_running(h)
+    out = h.feed(Request, "a", "preempt")
+    assert h.of(SetControl, out)[-1].flags["preempt"] == 1
+    assert h.state("a") == "STOPPING"
+    h.exit("a", 0, 0, "preempted", 40)
+    h.exit("a", 0, 1, "preempted", 40)
+    assert h.state("a") == "PREEMPTED"
+    assert h.reason("a") == "checkpointed at step 40 and released its slots; resume() to continue"
+    h.submit("b")  # the slots are free while a is preempted
+    assert h.launches("b")
+    h.feed(Request, "a", "resume")
+    assert h.state("a") == "QUEUED" and h.reason("a").startswith("resuming: ")
+
+
+def test_stop_during_user_preempt_cancels() -> None:
+    h = Harness()
+    run_to_running(h)
+    h.feed(Request, "a", "preempt")
+    h.feed(Request, "a", "stop")
+    h.exit("a", 0, 0, "preempted", 40)
+    h.exit("a", 0, 1, "preempted", 40)
+    assert h.state("a") == "CANCELLED" and h.reason("a") == "stopped by user at step 40"
+
+
+def test_stop_during_straggler_replacement_cancels() -> None:
+    h = Harness(workers=3)
+    run_to_running(h)
+    h.m._jobs["a"].preempt = None  # (set below through the public path)
+    # A confirmed straggler under the replace policy: simulate the machine's own decision by
+    # preempting through the same path as a replacement.
+    job = h.m._jobs["a"]
+    from nbtrain.core.jobrecord import Preemption
+
+    job.preempt = Preemption(cause="replace", reason="rank 1 slow", deadline=h.t + 30,
+                             slot=job.gen.slots[1] if job.gen else None)
+    h.feed(Request, "a", "stop")
+    h.exit("a", 0, 0, "preempted", 40)
+    h.exit("a", 0, 1, "preempted", 40)
+    assert h.state("a") == "CANCELLED"
+    assert len(h.launches("a")) == 1  # not relaunched
+
+
+def test_stop_while_queued_and_while_failing() -> None:
+    h = Harness()
+    run_to_running(h)
+    h.submit("b")
+    h.feed(Request, "b", "stop")
+    assert h.state("b") == "CANCELLED" and h.reason("b") == "stopped by user while queued"
+    h.fail("a", 0, 1)
+    h.feed(Request, "a", "stop")
+    h.fail("a", 0, 0, peer=True)
+    assert h.state("a") == "CANCELLED" and "a rank failed meanwhile" in h.reason("a")
+
+
+def test_hang_is_diagnosed_and_the_stuck_rank_restarted() -> None:
+    h = Harness(workers=3)
+    launch = run_to_running(h)
+    h.steps("a", 0, 20)
+    out = h.advance(2.0)
+    assert h.of(Diagnose, out) == []
+    out = h.advance(1.5)  # 3.5 s silent > floor 3 s
+    assert h.of(Diagnose, out) == [Diagnose("a", 0)]
+    out = h.feed(HangDiagnosed, "a", 0, (1,))
+    [restart] = h.of(RestartWorkers, out)
+    assert restart.addresses == (launch.addresses[1],)
+    h.feed(WorkerLeft, launch.addresses[1])
+    h.fail("a", 0, 0, peer=True)
+    [fault] = h.m.status("a").faults
+    assert fault["what"] == "hang" and fault["rank"] == 1
+    assert "rank 1 was stuck outside a collective" in fault["cause"]
+    assert "no step progress" in fault["error"]
+    assert h.launches("a")[-1].generation == 1
+
+
+def test_ranks_that_never_exit_after_a_failure_are_force_ended() -> None:
+    h = Harness(workers=3)
+    run_to_running(h)
+    h.fail("a", 0, 1)
+    h.advance(0.5)
+    out = h.advance(10.0)
+    assert h.of(Cancel, out) == [Cancel("a", 0, (0,))]
+    assert len(h.of(RestartWorkers)) == 2  # the failed rank's, then the stuck one's
+    assert h.reason("a").endswith("the cluster has 1 (2 restarting): waiting for workers to join")
+    h.join()
+    h.join()
+    assert h.launches("a")[-1].generation == 1
+
+
+def test_worker_death_fails_the_rank_and_its_slot_comes_back_under_a_new_address() -> None:
+    h = Harness(workers=2)
+    launch = run_to_running(h)
+    out = h.feed(WorkerLeft, launch.addresses[1])
+    assert h.of(Cancel, out) == [Cancel("a", 0, (1,))]
+    assert [s["state"] for s in h.m.slots()].count("offline") == 1
+    h.fail("a", 0, 0, peer=True)
+    [fault] = h.m.status("a").faults
+    assert fault["what"] == "worker died"
+    assert h.reason("a").startswith("restart 1/3 after worker died on rank 1")
+    assert h.reason("a").endswith("the cluster has 1 (1 offline): waiting for workers to join")
+    h.join()  # the nanny's new worker
+    assert len(h.m.slots()) == 2  # the same slot, not a new one
+    assert h.launches("a")[-1].generation == 1
+
+
+def test_restarted_worker_that_never_returns_is_reported_lost() -> None:
+    h = Harness(workers=2, worker_return_s=60)
+    launch = run_to_running(h)
+    h.fail("a", 0, 1)
+    h.advance(0.5)
+    h.feed(WorkerLeft, launch.addresses[1])
+    h.advance(61)
+    lost = [c.event for c in h.of(Publish) if c.job_id is None
+            and c.event.get("kind") == "slot_lost"]
+    assert len(lost) == 1 and "did not come back within 60 s" in lost[0]["reason"]
+
+
+def test_fifty_restarts_keep_the_slot_count() -> None:
+    h = Harness(workers=2)
+    for i in range(50):
+        addr = next(s["address"] for s in h.m.slots() if s["address"])
+        h.feed(WorkerLeft, addr)
+        h.join(name="")
+        assert sum(1 for s in h.m.slots() if s["state"] == "free") == 2, i
+    assert len(h.m.slots()) == 2
+
+
+def test_priority_preemption_checkpoints_releases_and_resumes_the_victim() -> None:
+    h = Harness(workers=2, grace_s=30)
+    run_to_running(h, "low")
+    h.committed("low", 0, 20)
+    h.submit("high", 2, priority=5)
+    assert h.state("low") == "STOPPING" and "preempted for 'high'" in h.reason("low")
+    assert h.of(SetControl)[-1].flags["preempt"] == 1
+    assert "low releasing its slots" in h.reason("high")
+    h.exit("low", 0, 0, "preempted", 25)
+    h.exit("low", 0, 1, "preempted", 25)
+    assert h.launches("high")
+    assert h.state("low") == "QUEUED"
+    assert h.reason("low").startswith("preempted for job job-high at step 25")
+    [pre] = h.events("low", "preemption")
+    assert pre["cause"] == "scheduler" and not pre["forced"] and pre["lost_steps"] == 0
+    h.steps("high", 0, 5)
+    h.exit("high", 0, 0)
+    h.exit("high", 0, 1)
+    [_, again] = h.launches("low")
+    assert again.generation == 1
+
+
+def test_preemption_grace_runs_out_and_the_victim_is_forced_off() -> None:
+    h = Harness(workers=2, grace_s=30)
+    run_to_running(h, "low")
+    h.committed("low", 0, 20)
+    h.steps("low", 0, 27)
+    h.submit("high", 2, priority=5)
+    assert h.of(Cancel, h.advance(29)) == []
+    out = h.advance(2)
+    assert h.of(Cancel, out) == [Cancel("low", 0, (0, 1))]
+    assert len(h.of(RestartWorkers, out)) == 1
+    [pre] = h.events("low", "preemption")
+    assert pre["forced"] and pre["lost_steps"] == 7 and pre["step"] == 20
+    assert "forced: 7 uncommitted steps lost" in h.reason("low")
+
+
+def test_failure_during_the_preemption_checkpoint_keeps_the_job_preempted() -> None:
+    h = Harness()
+    run_to_running(h)
+    h.committed("a", 0, 20)
+    h.feed(Request, "a", "preempt")
+    h.exit("a", 0, 1, "preempted", 30)
+    h.fail("a", 0, 0, step=30, error="RuntimeError: preemption checkpoint at step 30 did not "
+                                    "commit")
+    assert h.state("a") == "PREEMPTED"
+    assert "resumes from step 20" in h.reason("a")
+
+
+def test_inject_delivers_to_the_rank_and_planned_faults_travel_with_the_launch() -> None:
+    h = Harness()
+    planned = Fault("kill", rank=1, step=7)
+    h.submit("a", faults=[planned])
+    assert h.launches("a")[0].faults == (planned,)
+    h.steps("a", 0, 5)
+    fault = Fault("slow", rank=0, factor=2.0)
+    out = h.feed(Request, "a", "inject", fault)
+    assert h.of(Deliver, out) == [Deliver("a", h.launches("a")[0].addresses[0], fault)]
+
+
+def test_consumed_planned_fault_does_not_fire_after_the_restart() -> None:
+    h = Harness(workers=3)
+    h.submit("a", faults=[Fault("raise", rank=1, step=7)])
+    h.steps("a", 0, 6)
+    h.fail("a", 0, 1, step=6)
+    h.fail("a", 0, 0, peer=True)
+    assert h.launches("a")[-1].faults == ()
+
+
+def test_queue_order_is_explained() -> None:
+    h = Harness(workers=2)
+    run_to_running(h, "a")
+    h.submit("b")
+    h.submit("c")
+    assert h.reason("b") == "needs 2 slots at once; 0 of 2 free"
+    assert h.reason("c") == "waiting behind job job-b (needs 2 slots at once; 0 of 2 free)"
+
+
+def test_unknown_request_is_an_error() -> None:
+    h = Harness()
+    run_to_running(h)
+    with pytest.raises(ValueError, match="unknown request 'frobnicate'"):
+        h.feed(Request, "a", "frobnicate")
