@@ -90,6 +90,7 @@ class JobAssets:
     futures: dict[int, dict[int, Future]] = field(default_factory=dict)  # gen -> rank -> future
     rendezvous: dict[int, dict[str, Any]] = field(default_factory=dict)  # gen -> host, port
     control: dict[str, Any] = field(default_factory=dict)  # gen, version, flags
+    last_ended: int = -1  # the newest generation that has ended
 
 
 class ClusterController(SchedulerPlugin):
@@ -105,6 +106,10 @@ class ClusterController(SchedulerPlugin):
     async def start(self, scheduler: Any) -> None:
         from nbtrain.engine import handlers
 
+        if getattr(self, "scheduler", None) is scheduler:
+            # Registered by a --preload, then started again at the end of the scheduler's
+            # own startup (Dask starts every plugin it holds): keep the running controller.
+            return
         s = self.settings
         self.scheduler = scheduler
         self.machine = JobMachine(
@@ -125,13 +130,37 @@ class ClusterController(SchedulerPlugin):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
         self.decision_s: deque[float] = deque(maxlen=10_000)
-        self.client = await Client(scheduler.address, asynchronous=True, set_as_default=False,
-                                   security=getattr(scheduler, "security", None),
-                                   name="nbtrain-controller")
+        self._client: Client | None = None
+        self._client_ready = asyncio.Event()
         handlers.install(self, scheduler)
+        # The internal client connects in the background: while a ``--preload`` runs, the
+        # scheduler does not accept connections yet.
+        self._spawn(self._connect_client())
         for address in list(scheduler.workers):
             self.add_worker(scheduler, address)
         self._spawn(self._tick_loop())
+
+    async def _connect_client(self) -> None:
+        while not self._closed:
+            try:
+                self._client = await Client(
+                    self.scheduler.address, asynchronous=True, set_as_default=False,
+                    security=getattr(self.scheduler, "security", None),
+                    name="nbtrain-controller", timeout=10)
+            except OSError:
+                logger.warning("nbtrain controller: connecting its client failed; retrying",
+                               exc_info=True)
+                await asyncio.sleep(1.0)
+                continue
+            self._client_ready.set()
+            return
+
+    async def client(self) -> Client:
+        """The controller's own Dask client (it submits rank tasks and runs functions on
+        workers), once connected."""
+        await self._client_ready.wait()
+        assert self._client is not None
+        return self._client
 
     async def close(self) -> None:
         self._closed = True
@@ -143,8 +172,9 @@ class ClusterController(SchedulerPlugin):
                                           "time": time.time()}])
         for task in list(self._tasks):
             task.cancel()
-        with contextlib.suppress(Exception):
-            await self.client.close()
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                await self._client.close()
 
     # ================================================================== feeding the machine
     def feed(self, event: Event) -> list[Command]:
@@ -173,7 +203,10 @@ class ClusterController(SchedulerPlugin):
                     self._job_ended(c.job_id)
             self.wake()
         elif isinstance(c, Launch):
-            self._launch(c)
+            assets = self.assets[c.job_id]
+            # Before the launch task runs, so a request that follows at once is not lost.
+            assets.control = {"gen": c.generation, "version": 0, "flags": dict(c.control)}
+            self._spawn(self._launch(c))
         elif isinstance(c, SetControl):
             assets = self.assets.get(c.job_id)
             if assets is not None:
@@ -183,9 +216,7 @@ class ClusterController(SchedulerPlugin):
         elif isinstance(c, EndGeneration):
             self._end_generation(c.job_id, c.generation)
         elif isinstance(c, Cancel):
-            futures = self._futures(c.job_id, c.generation, c.ranks)
-            if futures:
-                self._spawn(self.client.cancel(futures))
+            self._spawn(self._cancel(c))
         elif isinstance(c, RestartWorkers):
             self._spawn(self._restart(c.addresses, c.reason))
         elif isinstance(c, Diagnose):
@@ -243,9 +274,10 @@ class ClusterController(SchedulerPlugin):
         """Read the worker's labels, then offer it as a slot."""
         from nbtrain.engine.workers import worker_labels
 
+        client = await self.client()
         try:
-            labels = (await self.client.run(worker_labels, workers=[address],
-                                            on_error="return")).get(address)
+            labels = (await client.run(worker_labels, workers=[address],
+                                       on_error="return")).get(address)
         except Exception as exc:  # the worker went away, or cannot import nbtrain
             labels = exc
         if address not in self._pending_workers:
@@ -282,8 +314,11 @@ class ClusterController(SchedulerPlugin):
         self.wake()
 
     # ================================================================== rank tasks
-    def _launch(self, c: Launch) -> None:
-        assets = self.assets[c.job_id]
+    async def _launch(self, c: Launch) -> None:
+        client = await self.client()
+        assets = self.assets.get(c.job_id)
+        if assets is None or c.generation <= assets.last_ended:
+            return  # the generation ended (a stop, a lost worker) before it was launched
         spec = assets.spec
         hosts = [self.scheduler.workers[a].host if a in self.scheduler.workers else a
                  for a in c.addresses]
@@ -291,7 +326,6 @@ class ClusterController(SchedulerPlugin):
         for ws in self.scheduler.workers.values():
             per_host[ws.host] = per_host.get(ws.host, 0) + 1
         plan = self._checkpoint_plan(assets)
-        assets.control = {"gen": c.generation, "version": 0, "flags": dict(c.control)}
         futures: dict[int, Future] = {}
         for rank, address in enumerate(c.addresses):
             launch = RankLaunch(
@@ -301,7 +335,7 @@ class ClusterController(SchedulerPlugin):
                 settings=assets.settings, checkpoint=plan,
                 faults=tuple(f for f in c.faults if f.rank == rank), job_info=spec.describe(),
                 control=dict(c.control))
-            fut = self.client.submit(
+            fut = client.submit(
                 run_rank_task, launch, key=f"nbtrain-{c.job_id}-g{c.generation}-r{rank}",
                 workers=[address], allow_other_workers=False, pure=False, retries=0)
             futures[rank] = fut
@@ -335,15 +369,19 @@ class ClusterController(SchedulerPlugin):
         now, wall = self.now()
         self.feed(RankExit(now, wall, job_id, generation, rank, outcome, failure))
 
-    def _futures(self, job_id: str, generation: int, ranks: tuple[int, ...]) -> list[Future]:
-        assets = self.assets.get(job_id)
-        futures = assets.futures.get(generation, {}) if assets else {}
-        return [futures[r] for r in ranks if r in futures]
+    async def _cancel(self, c: Cancel) -> None:
+        client = await self.client()
+        assets = self.assets.get(c.job_id)
+        futures = assets.futures.get(c.generation, {}) if assets else {}
+        chosen = [futures[r] for r in c.ranks if r in futures]
+        if chosen:
+            await client.cancel(chosen)
 
     def _end_generation(self, job_id: str, generation: int) -> None:
         assets = self.assets.get(job_id)
         if assets is None:
             return
+        assets.last_ended = max(assets.last_ended, generation)
         for fut in assets.futures.pop(generation, {}).values():
             with contextlib.suppress(Exception):
                 fut.release()
@@ -368,8 +406,9 @@ class ClusterController(SchedulerPlugin):
     async def _deliver(self, c: Deliver) -> None:
         from nbtrain.runtime.faults import deliver
 
+        client = await self.client()
         with contextlib.suppress(Exception):
-            await self.client.run(deliver, c.job_id, c.fault.to_dict(), workers=[c.address])
+            await client.run(deliver, c.job_id, c.fault.to_dict(), workers=[c.address])
 
     # ================================================================== rank events
     def log_event(self, topic: str, msg: Any) -> None:

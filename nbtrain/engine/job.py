@@ -289,8 +289,17 @@ class JobHandle:
 
     # -- the mirror (fed by the cluster's follower thread) --------------------------------
     def _follow(self) -> None:
-        if not self._following and self._cluster is not None and not self._done.is_set():
-            self._following = True
+        """Start mirroring: fetch what the controller has now (so a handle attached to a
+        running or ended job shows its history at once), then keep following."""
+        if self._following or self._cluster is None or self._done.is_set():
+            return
+        self._following = True
+        reply = self._cluster._remote.call("nbtrain_follow", cursors={self.id: [0, 0]},
+                                           timeout=0)
+        update = reply["jobs"].get(self.id)
+        if update is not None:
+            self._apply(update)
+        if not self._done.is_set():
             self._cluster._follower.follow(self)
 
     def _cursor(self) -> tuple[int, int]:
