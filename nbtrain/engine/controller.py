@@ -203,15 +203,15 @@ class ClusterController(SchedulerPlugin):
                     self._job_ended(c.job_id)
             self.wake()
         elif isinstance(c, Launch):
-            assets = self.assets[c.job_id]
             # Before the launch task runs, so a request that follows at once is not lost.
-            assets.control = {"gen": c.generation, "version": 0, "flags": dict(c.control)}
+            self.assets[c.job_id].control = {"gen": c.generation, "version": 0,
+                                             "flags": dict(c.control)}
             self._spawn(self._launch(c))
         elif isinstance(c, SetControl):
-            assets = self.assets.get(c.job_id)
-            if assets is not None:
-                version = int(assets.control.get("version", 0)) + 1
-                assets.control = {"gen": c.generation, "version": version, "flags": dict(c.flags)}
+            held = self.assets.get(c.job_id)
+            if held is not None:
+                version = int(held.control.get("version", 0)) + 1
+                held.control = {"gen": c.generation, "version": version, "flags": dict(c.flags)}
                 self._wake_control()
         elif isinstance(c, EndGeneration):
             self._end_generation(c.job_id, c.generation)
