@@ -52,6 +52,33 @@ def run_torchrun(steps: int, hidden: int, layers: int, batch: int) -> float:
         return steady_rate(json.loads(out.read_text()))
 
 
+def compare(cluster: nbtrain.Cluster, rounds: int, steps: int, hidden: int = 512,
+            layers: int = 3, batch: int = 256, log: bool = True) -> dict[str, object]:
+    """Alternating rounds of nbtrain on ``cluster`` and torchrun; medians and their ratio."""
+    shape = (hidden, layers, batch)
+    ours: list[float] = []
+    peer: list[float] = []
+    run_nbtrain(cluster, 30, *shape)  # warm the workers' imports once
+    for i in range(rounds):
+        # Alternate which goes first so drift in machine load hits both alike.
+        order = ("nbtrain", "torchrun") if i % 2 == 0 else ("torchrun", "nbtrain")
+        for which in order:
+            if which == "nbtrain":
+                ours.append(run_nbtrain(cluster, steps, *shape))
+            else:
+                peer.append(run_torchrun(steps, *shape))
+        if log:
+            print(f"round {i + 1}/{rounds}: nbtrain {ours[-1]:7.1f} steps/s   "
+                  f"torchrun {peer[-1]:7.1f} steps/s   ratio {ours[-1] / peer[-1]:.3f}",
+                  flush=True)
+    a, b = statistics.median(ours), statistics.median(peer)
+    ratios = [x / y for x, y in zip(ours, peer, strict=True)]
+    return {"nbtrain_steps_per_s": round(a, 2), "torchrun_steps_per_s": round(b, 2),
+            "ratio": round(a / b, 4),
+            "ratio_per_round_median": round(statistics.median(ratios), 4),
+            "ratios": [round(r, 4) for r in ratios]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="3 rounds of 300 steps")
@@ -63,33 +90,17 @@ def main() -> None:
     args = parser.parse_args()
     rounds = args.rounds or (3 if args.quick else 7)
     steps = args.steps or (300 if args.quick else 1000)
-    shape = (args.hidden, args.layers, args.batch)
-    ours: list[float] = []
-    peer: list[float] = []
     tmp = tempfile.TemporaryDirectory(prefix="nbtrain-overhead-")
     settings = nbtrain.Settings.load(checkpoint_root=tmp.name)
     with tmp, nbtrain.connect(n_workers=2, settings=settings) as cluster:
-        run_nbtrain(cluster, 30, *shape)  # warm the workers' imports once
-        for i in range(rounds):
-            # Alternate which goes first so drift in machine load hits both alike.
-            order = ("nbtrain", "torchrun") if i % 2 == 0 else ("torchrun", "nbtrain")
-            for which in order:
-                if which == "nbtrain":
-                    ours.append(run_nbtrain(cluster, steps, *shape))
-                else:
-                    peer.append(run_torchrun(steps, *shape))
-            print(f"round {i + 1}/{rounds}: nbtrain {ours[-1]:7.1f} steps/s   "
-                  f"torchrun {peer[-1]:7.1f} steps/s   ratio {ours[-1] / peer[-1]:.3f}",
-                  flush=True)
-    a, b = statistics.median(ours), statistics.median(peer)
-    ratios = [x / y for x, y in zip(ours, peer, strict=True)]
+        figures = compare(cluster, rounds, steps, args.hidden, args.layers, args.batch)
+    a, b = figures["nbtrain_steps_per_s"], figures["torchrun_steps_per_s"]
+    ratios = figures.pop("ratios")
     print(f"\n{'':12}{'median steps/s':>16}\n{'nbtrain':12}{a:16.1f}\n{'torchrun':12}{b:16.1f}"
-          f"\nratio (median of medians) {a / b:.3f}; per-round ratios "
-          f"{', '.join(f'{r:.3f}' for r in ratios)}")
+          f"\nratio (median of medians) {figures['ratio']:.3f}; per-round ratios "
+          f"{', '.join(f'{r:.3f}' for r in ratios)}")  # type: ignore[attr-defined]
     print(json.dumps({
-        "nbtrain_steps_per_s": round(a, 2), "torchrun_steps_per_s": round(b, 2),
-        "ratio": round(a / b, 4), "ratio_per_round_median": round(statistics.median(ratios), 4),
-        "rounds": rounds, "steps_per_round": steps, "world_size": 2,
+        **figures, "rounds": rounds, "steps_per_round": steps, "world_size": 2,
         "model": {"hidden": args.hidden, "layers": args.layers, "global_batch": args.batch},
     }))
 

@@ -1,6 +1,6 @@
 """One controller per cluster, shared by every client: a cluster started from the ``dask
-scheduler``/``dask worker`` commands, client processes that come and go, priorities,
-ownership, fair share, and slots that survive worker restarts."""
+scheduler``/``dask worker`` commands (``nbtrain.engine.standalone``), client processes that
+come and go, priorities, ownership, fair share, and slots that survive worker restarts."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import pytest
 
 import nbtrain
 from nbtrain import JobState, Settings
-from tests.cli_cluster import cli_cluster, run_client
+from nbtrain.engine.standalone import standalone_cluster
+from tests.clients import run_client
 from tests.conftest import wait_for
 from tests.recipes import Regression, assert_params_equal, single_process_params
 
@@ -32,7 +33,7 @@ def _states(job: nbtrain.JobHandle) -> list[str]:
 @pytest.mark.slow
 def test_priority_job_of_another_client_preempts_and_the_victim_resumes_exactly(
         tmp_path: Path) -> None:
-    with cli_cluster(2, logs=tmp_path / "logs") as cc, \
+    with standalone_cluster(2, logs=tmp_path / "logs") as cc, \
             _connect(cc.address, tmp_path / "tokens-a.json") as mine:
         # Trains until stopped, so the other client's job arrives mid-run however slowly
         # that client starts.
@@ -72,7 +73,7 @@ def test_priority_job_of_another_client_preempts_and_the_victim_resumes_exactly(
 def test_job_outlives_its_client_and_only_its_owner_or_the_operator_steer_it(
         tmp_path: Path) -> None:
     tokens = tmp_path / "owner-tokens.json"
-    with cli_cluster(2, logs=tmp_path / "logs") as cc, contextlib.ExitStack() as clients:
+    with standalone_cluster(2, logs=tmp_path / "logs") as cc, contextlib.ExitStack() as clients:
         owner_proc = run_client(f"""
             import nbtrain, os, time
             c = nbtrain.connect({cc.address!r})
@@ -119,7 +120,7 @@ def test_job_outlives_its_client_and_only_its_owner_or_the_operator_steer_it(
 def test_fair_share_gives_teams_slot_time_in_their_weights(tmp_path: Path) -> None:
     """Teams weighted 1:3 keep short jobs queued on a full cluster: slot-time 1:3 (+-10%),
     measured from the jobs' own start and end times, not the scheduler's ledger."""
-    with cli_cluster(2, logs=tmp_path / "logs",
+    with standalone_cluster(2, logs=tmp_path / "logs",
                      scheduler_env={"NBTRAIN_TEAM_WEIGHTS": "small:1,big:3"}) as cc, \
             _connect(cc.address) as c:
         # A fresh worker's first rank is slow (imports): warm both up under a third team,

@@ -81,7 +81,8 @@ class PreemptionEvent(TypedDict):
     cause: str  # "user" | "scheduler" | "replace"
     reason: str
     for_job: str | None
-    step: int
+    generation: int  # the generation that ended
+    step: int  # the step it resumes from
     forced: bool
     lost_steps: int
 
@@ -106,10 +107,12 @@ def recovery_event(time: float, *, generation: int, recovery_s: float | None,
             "fault": fault}
 
 
-def preemption_event(time: float, *, cause: str, reason: str, for_job: str | None, step: int,
-                     forced: bool, lost_steps: int) -> PreemptionEvent:
+def preemption_event(time: float, *, cause: str, reason: str, for_job: str | None,
+                     generation: int, step: int, forced: bool, lost_steps: int
+                     ) -> PreemptionEvent:
     return {"kind": "preemption", "time": time, "cause": cause, "reason": reason,
-            "for_job": for_job, "step": step, "forced": forced, "lost_steps": lost_steps}
+            "for_job": for_job, "generation": generation, "step": step, "forced": forced,
+            "lost_steps": lost_steps}
 
 
 def rank_event(kind: str, *, job: str, rank: int, gen: int, time: float,

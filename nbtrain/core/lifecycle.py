@@ -615,8 +615,8 @@ class JobMachine:
             lost = job.ledger.rollback(job.committed_step)
             step = job.committed_step
         self._publish(job, preemption_event(self.wall, cause=pre.cause, reason=pre.reason,
-                                            for_job=pre.for_job, step=step, forced=gen.forced,
-                                            lost_steps=lost))
+                                            for_job=pre.for_job, generation=gen.number,
+                                            step=step, forced=gen.forced, lost_steps=lost))
         if pre.cause == "user":
             job.ledger.enter("queued", self.now)
             self._set_state(job, JobState.PREEMPTED, f"checkpointed at step {step} and released "

@@ -276,8 +276,8 @@ def connect(address: str | Client | None = None, *, n_workers: int | None = None
     - ``connect()``: start an embedded ``LocalCluster`` on this machine's loopback interface
       (worker processes, one thread each, ``n_workers`` slots; by default one per core, 2 to
       8), shut down with this process. This client is its operator.
-    - ``connect("tcp://host:8786")``: an existing Dask scheduler (``security=`` a
-      ``distributed.Security`` for TLS).
+    - ``connect("tcp://host:8786")``: an existing Dask scheduler (``"tls://..."`` with
+      ``security=`` a ``distributed.Security``; an embedded cluster takes it too).
     - ``connect(client)``: an existing ``distributed.Client`` (left open on close), e.g. of a
       dask-jobqueue or dask-kubernetes cluster.
 
@@ -302,6 +302,8 @@ def connect(address: str | Client | None = None, *, n_workers: int | None = None
         config = QUIET_WORKER_CONFIG if settings.quiet_workers else {}
         kwargs: dict[str, Any] = {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0",
                                   "silence_logs": logging.CRITICAL}
+        if security is not None:
+            kwargs["security"] = security
         kwargs.update(cluster_kwargs)
         with dask.config.set(config):
             local = EmbeddedCluster(n_workers=n, threads_per_worker=1, processes=True, **kwargs)
