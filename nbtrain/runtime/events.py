@@ -15,6 +15,7 @@ from typing import Any
 
 from distributed import get_worker
 
+from nbtrain.core.jobevents import rank_event
 from nbtrain.core.records import ROW_COLUMNS
 
 #: Column order of one step row (a list, to keep messages small); defined in core.records.
@@ -54,16 +55,15 @@ class EventEmitter:
         """Send a non-step event now (flushing buffered steps first, to keep order)."""
         with self._lock:
             self._flush_locked(time.monotonic())
-            self._send({"kind": kind, "time": time.time(), **info})
+            self._send(kind, info)
 
     def _flush_locked(self, now: float) -> None:
         self._last_flush = now
         if self._rows:
             rows, self._rows = self._rows, []
-            self._send({"kind": "steps", "rows": rows})
+            self._send("steps", {"rows": rows})
 
-    def _send(self, msg: dict[str, Any]) -> None:
-        msg["job"] = self.job_id
-        msg["rank"] = self.rank
-        msg["gen"] = self.generation
-        self._worker.log_event(self.topic, msg)
+    def _send(self, kind: str, info: dict[str, Any]) -> None:
+        self._worker.log_event(self.topic, rank_event(
+            kind, job=self.job_id, rank=self.rank, gen=self.generation, time=time.time(),
+            **info))
