@@ -173,3 +173,38 @@ def test_fifty_worker_restarts_leave_the_slot_count_unchanged() -> None:
             assert {s["slot"] for s in c.snapshot()["slots"]} == slot_ids
         job = c.submit(Regression(), world_size=2, steps=5)
         assert job.wait(120) is JobState.SUCCEEDED, job.error
+
+
+def test_workers_of_any_cluster_are_labelled_quiet_and_warm(tmp_path: Path) -> None:
+    """Workers started by 'dask worker' get the same treatment as embedded ones, and their
+    declared labels (no GPU here) make the topology the scheduler places on."""
+    with standalone_cluster(0, logs=tmp_path / "logs") as sc:
+        sc.add_workers(2, env={"NBTRAIN_WORKER_HOST": "node-a", "NBTRAIN_WORKER_NVLINK": "a0"},
+                       name="a")
+        sc.add_workers(2, env={"NBTRAIN_WORKER_HOST": "node-b"}, name="b")
+        with _connect(sc.address) as c:
+            wait_for(lambda: len(c.slots) == 4, 120, "four slots")
+            slots = c.snapshot()["slots"]
+            assert sorted((s["host"], s["nvlink"]) for s in slots) == [
+                ("node-a", "a0"), ("node-a", "a0"), ("node-b", "node-b"), ("node-b", "node-b")]
+
+            def state(dask_worker: object) -> tuple[bool, bool]:
+                import sys
+
+                from nbtrain.engine.workers import QUIET_PROFILE_MS
+
+                profile = dask_worker.periodic_callbacks.get("profile")  # type: ignore[attr-defined]
+                return (profile is None or profile.callback_time >= QUIET_PROFILE_MS,
+                        "torch" in sys.modules)
+
+            wait_for(lambda: all(all(v) for v in c.client.run(state).values()), 120,
+                     "quiet, warmed-up workers")
+            job = c.submit(Regression(), world_size=4, steps=5)
+            assert job.wait(120) is JobState.SUCCEEDED, job.error
+
+
+def test_embedded_cluster_listens_on_loopback_only() -> None:
+    with nbtrain.connect(n_workers=1) as c:
+        assert c.address.startswith("tcp://127.0.0.1:")
+        assert c.dashboard_link.startswith("http://127.0.0.1:")
+        assert all(a.startswith("tcp://127.0.0.1:") for a in c.client.scheduler_info()["workers"])

@@ -95,7 +95,8 @@ def start(workers: int, *, logs: Path, scheduler_env: Mapping[str, str] | None =
         if workers:
             cluster.add_workers(workers, env=worker_env)
         with Client(cluster.address, timeout=timeout) as client:
-            client.wait_for_workers(workers, timeout=timeout)
+            if workers:
+                client.wait_for_workers(workers, timeout=timeout)
     except BaseException:
         cluster.stop()
         raise

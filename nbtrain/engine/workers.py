@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["NbtrainWorker", "worker_labels"]
 
+#: Period of Dask's statistical profiler on quiet workers: a day, i.e. off (default 10 ms).
+QUIET_PROFILE_MS = 86_400_000
 #: Period of Dask's system monitor on quiet workers (Dask's default is 0.5 s).
 QUIET_MONITOR_MS = 2000
 #: Period of Dask's memory monitor on quiet workers (Dask's default is 0.1 s).
@@ -66,19 +68,25 @@ class NbtrainWorker(WorkerPlugin):
 
     def setup(self, worker: Any) -> None:
         if self.quiet:
-            callbacks = getattr(worker, "periodic_callbacks", {})
-            for name in ("profile", "profile-cycle"):
-                if name in callbacks:
-                    callbacks[name].stop()
-            for name, ms in (("monitor", QUIET_MONITOR_MS),
-                             ("memory_monitor", QUIET_MEMORY_MONITOR_MS)):
-                pc = callbacks.get(name)
-                if pc is not None and pc.callback_time < ms:
-                    pc.stop()
-                    pc.callback_time = ms
-                    pc.start()
+            quiet(worker)
         if self.warm_up:
             threading.Thread(target=_try_warm_up, name="nbtrain-warm-up", daemon=True).start()
+
+
+def quiet(worker: Any) -> None:
+    """Slow Dask's profiler and monitors down on ``worker``.
+
+    A worker that joins after the plugin was registered sets plugins up *before* it starts
+    its periodic callbacks, so stopping them here would be undone; changing their period is
+    not (tornado reads it when it schedules each next call).
+    """
+    callbacks = getattr(worker, "periodic_callbacks", {})
+    for name, ms in (("profile", QUIET_PROFILE_MS), ("profile-cycle", QUIET_PROFILE_MS),
+                     ("monitor", QUIET_MONITOR_MS),
+                     ("memory_monitor", QUIET_MEMORY_MONITOR_MS)):
+        pc = callbacks.get(name)
+        if pc is not None and pc.callback_time < ms:
+            pc.callback_time = ms
 
 
 def _try_warm_up() -> None:
