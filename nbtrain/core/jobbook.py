@@ -4,6 +4,14 @@
 operations that change it consistently: enqueue/dequeue in priority-team-submit order, start,
 move (resize), preempt and release, each updating the slot owners, the free counts and the
 teams' fair-share usage together. It decides nothing; ``Scheduler`` does.
+
+A controller lives for weeks and sees every job ever submitted, so a decision must never walk
+the whole book: besides ``_jobs`` (every job, for lookups by id) the book keeps indices of the
+live jobs only, updated where a job changes state: the queue buckets, the running jobs by
+estimated end (the reservation replays ends in that order), the jobs being stopped, the
+running jobs per priority (preemption candidates) and the running jobs with a ``min_size``
+(shrink and grow candidates). ``work`` counts what decisions looked at, so tests can check
+that the cost of a decision follows the live state and not the history.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from nbtrain.core.sched_types import (
 from nbtrain.core.slotstate import FREE, SlotState
 from nbtrain.core.topology import Topology
 
-__all__ = ["JobBook", "JobRecord", "JobView"]
+__all__ = ["JobBook", "JobRecord", "JobView", "Work"]
 
 IntArray = npt.NDArray[np.int64]
 EMPTY: IntArray = np.zeros(0, dtype=np.int64)
@@ -50,12 +58,34 @@ class JobView:
     preemptions: int
 
 
+@dataclasses.dataclass
+class Work:
+    """Work units a scheduler has spent so far, by kind; deterministic (no clock), so tests can
+    compare the cost of early and late decisions of a long run exactly.
+
+    ``queued``: queued jobs a scheduling pass walked; ``fits``: placement attempts;
+    ``running``: running or stopping jobs looked at (reservation, shrink, grow, preemption
+    candidates); ``slots``: slot entries copied or scanned in bulk (state copies, releases,
+    victim search), which at a fixed cluster size is bounded but not free.
+    """
+
+    events: int = 0
+    queued: int = 0
+    fits: int = 0
+    running: int = 0
+    slots: int = 0
+
+    def total(self) -> int:
+        """All units but ``events``, each weighted 1: a coarse cost of the decisions so far."""
+        return self.queued + self.fits + self.running + self.slots
+
+
 class JobRecord:
     """The scheduler's record of one job (internal; read it through ``JobView``)."""
 
     __slots__ = (
-        "avoid", "first_start_t", "idx", "last_ckpt_t", "num", "preempted_for", "preemptions",
-        "req", "seq", "start_t", "state", "submit_t",
+        "avoid", "end", "first_start_t", "idx", "last_ckpt_t", "num", "preempted_for",
+        "preemptions", "req", "seq", "start_t", "state", "submit_t",
     )
 
     def __init__(self, req: JobRequest, num: int, seq: int, now: float) -> None:
@@ -71,6 +101,7 @@ class JobRecord:
         self.preempted_for: str | None = None
         self.preemptions = 0
         self.avoid: frozenset[Hashable] = frozenset()  # slot ids to stay off at the next start
+        self.end = math.inf  # estimated end while running (see JobBook._end_of)
 
     @property
     def size(self) -> int:
@@ -98,6 +129,12 @@ class JobBook:
         self._avail: SlotState | None = None  # the backfill view during a pass
         self._shrunk = False
         self.preemption_log: list[tuple[str, str]] = []  # (preemptor, victim)
+        # Live indices (see the module docstring); each holds only jobs that hold slots.
+        self._ends: list[tuple[float, int, JobRecord]] = []  # running, by (end, seq)
+        self._stopping: dict[int, JobRecord] = {}  # seq -> job told to stop, not yet released
+        self._running_at: dict[int, dict[str, JobRecord]] = {}  # priority -> running jobs
+        self._flex: dict[str, JobRecord] = {}  # running jobs with a min_size
+        self.work = Work()
 
     def job(self, job_id: str) -> JobView:
         j = self._jobs[job_id]
@@ -170,6 +207,15 @@ class JobBook:
             pa = self._jobs[a].req.priority
             pb = self._jobs[b].req.priority
             assert pa > pb, f"{a} (priority {pa}) preempted {b} (priority {pb})"
+        running = {k for k, j in self._active.items() if j.state == "running"}
+        assert {e[2].req.job_id for e in self._ends} == running, "end index stale"
+        assert all(e[0] == self._end_of(e[2]) for e in self._ends), "end estimates stale"
+        assert self._ends == sorted(self._ends, key=lambda e: (e[0], e[1])), "end index unsorted"
+        assert {j.req.job_id for j in self._stopping.values()} == set(self._active) - running
+        assert {k for v in self._running_at.values() for k in v} == running
+        assert set(self._flex) == {k for k in running
+                                   if self._active[k].req.min_size is not None}
+        assert self._n_queued == sum(len(b) for t in self._buckets.values() for b in t.values())
 
     # ================================================================== bookkeeping
     def _enqueue(self, j: JobRecord) -> None:
@@ -193,13 +239,75 @@ class JobBook:
                     del self._buckets[j.req.priority]
 
     def _release(self, j: JobRecord) -> None:
+        if j.state == "running":
+            self._unindex(j)
+        elif j.state == "stopping":
+            self._stopping.pop(j.seq, None)
         if j.size:
             self._state.release(j.idx)
+            self.work.slots += j.size
             self._fair.hold(j.req.team, -j.size)
             self._cap_cache.clear()
         j.idx = EMPTY
         j.preempted_for = None
         self._active.pop(j.req.job_id, None)
+
+    # ------------------------------------------------------------ live indices
+    @staticmethod
+    def _end_of(j: JobRecord) -> float:
+        """When a running job will end at its estimate (never, without one): the reservation
+        replays ends in this order. Elastic jobs run longer at a smaller size."""
+        est = j.req.est_duration_s
+        return math.inf if est is None else j.start_t + est * j.req.size / j.size
+
+    def _index(self, j: JobRecord) -> None:
+        """Add a job that has just become running (or changed size, start or request)."""
+        j.end = self._end_of(j)
+        bisect.insort(self._ends, (j.end, j.seq, j))
+        self._running_at.setdefault(j.req.priority, {})[j.req.job_id] = j
+        if j.req.min_size is not None:
+            self._flex[j.req.job_id] = j
+
+    def _unindex(self, j: JobRecord) -> None:
+        i = bisect.bisect_left(self._ends, (j.end, j.seq))
+        if i == len(self._ends) or self._ends[i][2] is not j:
+            raise RuntimeError(f"job {j.req.job_id!r} missing from the end index: "
+                               "bookkeeping bug")
+        del self._ends[i]
+        at = self._running_at[j.req.priority]
+        del at[j.req.job_id]
+        if not at:
+            del self._running_at[j.req.priority]
+        self._flex.pop(j.req.job_id, None)
+
+    def _set_request(self, j: JobRecord, req: JobRequest) -> None:
+        """Change a job's request, keeping the indices that read it in step."""
+        if j.state == "running":
+            self._unindex(j)
+            j.req = req
+            self._index(j)
+        else:
+            j.req = req
+
+    def _end_order(self) -> Iterator[tuple[float, JobRecord]]:
+        """Jobs holding slots, in the order they let go of them, with the time: running jobs
+        at their estimated end (now, when overdue), stopping ones a grace period from now;
+        ties in submit order. Lazy, since the reservation usually needs only the first few."""
+        now = self.now
+        k = bisect.bisect_right(self._ends, (now, math.inf))  # overdue: end <= now
+        overdue = sorted((e[1], e[2]) for e in self._ends[:k])
+        soon = now + self.config.preempt_grace_s
+        streams: tuple[Iterator[tuple[float, int, JobRecord]], ...] = (
+            ((now, seq, j) for seq, j in overdue),
+            (self._ends[i] for i in range(k, len(self._ends))),
+            ((soon, seq, self._stopping[seq]) for seq in sorted(self._stopping)),
+        )
+        for t, _, j in heapq.merge(*streams):
+            yield t, j
+
+    def _copy(self, st: SlotState) -> SlotState:
+        self.work.slots += self.topo.n_slots
+        return st.copy()
 
     def _placement(self, j: JobRecord, idx: IntArray) -> Placement:
         return Placement(
@@ -224,10 +332,13 @@ class JobBook:
         j.last_ckpt_t = self.now
         if j.first_start_t is None:
             j.first_start_t = self.now
+        self._index(j)
+        self.work.slots += int(idx.shape[0])
         return StartJob(j.req.job_id, self._placement(j, idx))
 
     def _move(self, j: JobRecord, idx: IntArray, reason: str) -> ResizeJob:
         old = j.size
+        self._unindex(j)
         self._state.release(j.idx)
         self._state.take(idx, j.num)
         self._fair.hold(j.req.team, int(idx.shape[0]) - old)
@@ -235,11 +346,15 @@ class JobBook:
         j.idx = idx
         j.start_t = self.now
         j.last_ckpt_t = self.now
+        self._index(j)
+        self.work.slots += old + int(idx.shape[0])
         return ResizeJob(j.req.job_id, self._placement(j, idx), old, reason)
 
     def _preempt(
         self, j: JobRecord, head: JobRecord | None, reason: str, grace: float
     ) -> PreemptJob:
+        self._unindex(j)
+        self._stopping[j.seq] = j
         j.state = "stopping"
         j.preemptions += 1
         j.preempted_for = head.req.job_id if head else None
@@ -262,9 +377,8 @@ class JobBook:
         new_pos = topo.indices(list(old_ids))
         owner[new_pos] = self._state.owner
         gone[new_pos] = self._state.gone
-        for j in self._jobs.values():
-            if j.size:
-                j.idx = new_pos[j.idx]
+        for j in self._active.values():  # the only jobs holding slots
+            j.idx = new_pos[j.idx]
         self.topo = topo
         self._state = SlotState(topo, owner)
         self._state.gone = gone
@@ -272,29 +386,39 @@ class JobBook:
 
     # ================================================================== fitting
     def _queue_order(self) -> Iterator[JobRecord]:
+        return iter(self._queue_list())
+
+    def _queue_list(self) -> list[JobRecord]:
+        """Queued jobs in the order a pass considers them (see ``Scheduler``). Built from
+        slices of the sorted buckets, so a long queue costs list copies, not Python steps."""
         cfg = self.config
         if cfg.order == "fifo":
             lists = [b for teams in self._buckets.values() for b in teams.values()]
-            yield from heapq.merge(*[list(b) for b in lists], key=lambda x: x.seq)
-            return
+            return list(heapq.merge(*lists, key=lambda x: x.seq))
+        out: list[JobRecord] = []
         for prio in sorted(self._buckets, reverse=True):
             teams = self._buckets[prio]
-            aged: list[JobRecord] = []
+            n_aged: dict[str, int] = {}
             if cfg.max_wait_s is not None:
+                # Jobs queued longer than max_wait_s go first; a bucket is in submit order, so
+                # they are its prefix.
                 cutoff = self.now - cfg.max_wait_s
-                for bucket in teams.values():
+                aged: list[JobRecord] = []
+                for team, bucket in teams.items():
+                    n = 0
                     for x in bucket:
                         if x.submit_t > cutoff:
                             break
-                        aged.append(x)
+                        n += 1
+                    if n:
+                        n_aged[team] = n
+                        aged.extend(bucket[:n])
                 aged.sort(key=lambda x: x.seq)
-                yield from aged
+                out.extend(aged)
             names = self._fair.order(teams) if cfg.fair_share else sorted(teams)
-            skip = {id(x) for x in aged}
             for team in names:
-                for x in list(teams.get(team, ())):
-                    if id(x) not in skip:
-                        yield x
+                out.extend(teams[team][n_aged.get(team, 0):])
+        return out
 
     def _capacity(self, st: SlotState, tp: int) -> int:
         """Most slots ``st`` can give in whole TP groups; cached for the live state and the
@@ -319,7 +443,7 @@ class JobBook:
             idx = self.topo.indices(known) if known else EMPTY
             idx = idx[st.owner[idx] == FREE]
             if idx.shape[0]:
-                trial = st.copy()
+                trial = self._copy(st)
                 trial.take(idx, _AVOIDED)
                 got = self._fit_free(trial, j, size)
                 if got is not None:
@@ -330,6 +454,7 @@ class JobBook:
         req = j.req
         r = req.layout.replica
         want = req.size if size is None else size
+        self.work.fits += 1
         if req.min_slots > st.n_free:
             return None
         cap = self._capacity(st, req.layout.tp)
@@ -346,6 +471,8 @@ class JobBook:
 
     def _own_fit(self, j: JobRecord, size: int) -> IntArray | None:
         """Placement of ``j`` at ``size`` inside the slots it holds now."""
+        self.work.fits += 1
+        self.work.slots += self.topo.n_slots
         own = np.zeros(self.topo.n_slots, dtype=np.int64)
         own[j.idx] = FREE
         return place_indices(SlotState(self.topo, own), size, j.req.layout,

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 
 import numpy as np
 import numpy.typing as npt
@@ -74,6 +75,7 @@ __all__ = ["JobView", "Scheduler"]
 
 IntArray = npt.NDArray[np.int64]
 _RESERVED = -3  # owner marker for the head's reserved slots in the backfill view
+_NEVER = 1 << 62  # a min_slots no job reaches
 
 
 class Scheduler(JobBook):
@@ -93,6 +95,7 @@ class Scheduler(JobBook):
                 f"event at {self.now}: feed events in time order"
             )
         self.now = event.now
+        self.work.events += 1
         self._fair.advance(event.now)
         out: list[Decision] = []
         self._apply(event, out)
@@ -176,7 +179,7 @@ class Scheduler(JobBook):
             return
         new_min = None if j.req.min_size is None else min(j.req.min_size, ev.size)
         old_req = j.req
-        j.req = dataclasses.replace(j.req, size=ev.size, min_size=new_min)
+        self._set_request(j, dataclasses.replace(j.req, size=ev.size, min_size=new_min))
         if j.state != "running" or j.size == ev.size:
             return
         if ev.size < j.size:
@@ -184,12 +187,12 @@ class Scheduler(JobBook):
             idx = place_indices(own, ev.size, j.req.layout, policy=self.config.placement,
                                 rng=self._rng)
         else:
-            trial = self._state.copy()
+            trial = self._copy(self._state)
             trial.release(j.idx)
             idx = place_indices(trial, ev.size, j.req.layout, policy=self.config.placement,
                                 rng=self._rng)
         if idx is None:
-            j.req = old_req
+            self._set_request(j, old_req)
             out.append(RejectJob(ev.job_id, f"cannot resize {ev.job_id!r} to {ev.size} ranks "
                                             f"now ({self._state.n_free} slots free); it keeps "
                                             f"{j.size}"))
@@ -239,22 +242,37 @@ class Scheduler(JobBook):
         avail: SlotState | None = None
         shadow = math.inf
         head: JobRecord | None = None
-        failed: dict[tuple[int, int], int] = {}  # (state id, tp) -> smallest size that failed
-        for j in list(self._queue_order()):
+        # Per target, per TP degree: the smallest min_slots that failed to fit. A pass only
+        # takes slots, so any job at least that big fails too and is not tried again.
+        fail_live: dict[int, int] = {}
+        fail_view: dict[int, int] = {}
+        queue = self._queue_list()
+        self.work.queued += len(queue)
+        now = self.now
+        for j in queue:
             if self._state.n_free == 0 and head is not None:
                 break
             req = j.req
-            targets: list[SlotState] = [self._state] if avail is None else [avail]
-            if avail is not None and self._ends_by(j, req.min_slots, shadow):
-                targets.append(self._state)
+            tp = req.layout.tp
+            need = req.min_slots
+            if avail is not None and need >= fail_view.get(tp, _NEVER):
+                # Cannot fit the backfill view; the live state only takes it if it ends before
+                # the shadow time (``_ends_by``, inlined: a long queue is mostly such jobs).
+                est = req.est_duration_s
+                if need >= fail_live.get(tp, _NEVER) or est is None or not (
+                    now + est * req.size / max(need, 1) <= shadow
+                ):
+                    continue
+            targets = [(self._state, fail_live)] if avail is None else [(avail, fail_view)]
+            if avail is not None and self._ends_by(j, need, shadow):
+                targets.append((self._state, fail_live))
             started = False
-            for st in targets:
-                fkey = (id(st), req.layout.tp)
-                if req.min_slots >= failed.get(fkey, 1 << 62):
+            for st, fails in targets:
+                if need >= fails.get(tp, _NEVER):
                     continue
                 idx = self._fit(st, j)
                 if idx is None:
-                    failed[fkey] = min(failed.get(fkey, 1 << 62), req.min_slots)
+                    fails[tp] = min(fails.get(tp, _NEVER), need)
                     continue
                 if st is self._state and avail is not None and not self._ends_by(
                     j, int(idx.shape[0]), shadow
@@ -274,7 +292,7 @@ class Scheduler(JobBook):
                 continue
             if not cfg.backfill:
                 break
-            avail = self._state.copy()
+            avail = self._copy(self._state)
             keep = reserved[avail.owner[reserved] == FREE]
             avail.take(keep, _RESERVED)
             self._avail = avail
@@ -288,13 +306,16 @@ class Scheduler(JobBook):
         (``None`` slots when it could start right away)."""
         cfg = self.config
         req = head.req
-        soon = self._state.copy()
-        stopping = [j for j in self._active.values() if j.state == "stopping"]
-        if stopping:
-            soon.release(np.concatenate([j.idx for j in stopping]))
-        idx = self._fit(soon, head)
-        if idx is not None and stopping:
-            return idx, self.now
+        soon = self._state
+        if self._stopping:
+            # Without jobs being stopped ``soon`` is the live state, on which the head has just
+            # failed to fit: no need to copy it or to try again.
+            soon = self._copy(self._state)
+            soon.release(np.concatenate([j.idx for j in self._stopping.values()]))
+            self.work.running += len(self._stopping)
+            idx = self._fit(soon, head)
+            if idx is not None:
+                return idx, self.now
         if cfg.order == "priority":
             started = self._shrink_elastic_for(head, out)
             if started:
@@ -302,13 +323,16 @@ class Scheduler(JobBook):
         if cfg.preemption and cfg.order == "priority":
             cost = {
                 j.num: self._lost_work(j)
-                for j in self._active.values()
-                if j.state == "running" and j.req.preemptible
-                and j.req.priority < req.priority
+                for prio, running in self._running_at.items() if prio < req.priority
+                for j in running.values() if j.req.preemptible
             }
-            plan = choose_victims(soon, req.min_slots, req.layout, cost) if cost else None
+            self.work.running += len(cost)
+            plan = None
+            if cost:
+                self.work.slots += self.topo.n_slots
+                plan = choose_victims(soon, req.min_slots, req.layout, cost)
             if plan is not None:
-                trial = soon.copy()
+                trial = self._copy(soon)
                 trial.release(np.concatenate([self._by_num[n].idx for n in plan.victims]))
                 idx = self._fit(trial, head)
                 if idx is not None:
@@ -323,41 +347,40 @@ class Scheduler(JobBook):
 
     def _shadow(self, head: JobRecord) -> tuple[IntArray, float]:
         """Reserve where the head will run when running jobs end at their estimates."""
-        grace = self.config.preempt_grace_s
-        ends: list[tuple[float, int, JobRecord]] = []
-        for j in self._active.values():
-            if j.state == "stopping":
-                ends.append((self.now + grace, j.seq, j))
-            elif j.state == "running":
-                est = j.req.est_duration_s
-                end = math.inf if est is None else j.start_t + est * j.req.size / j.size
-                ends.append((max(end, self.now), j.seq, j))
-        ends.sort(key=lambda e: (e[0], e[1]))
         tp = head.req.layout.tp if self.config.placement == "topology" else 1
         units = head.req.min_slots // tp
-        m = releases_needed(self._state, tp, units, [e[2].idx for e in ends])
+        read: list[tuple[float, JobRecord]] = []
+
+        def releases() -> Iterator[IntArray]:
+            for t, j in self._end_order():
+                read.append((t, j))
+                yield j.idx
+
+        m = releases_needed(self._state, tp, units, releases())
+        self.work.running += len(read)
         if m is None:
             return EMPTY, math.inf
-        trial = self._state.copy()
+        trial = self._copy(self._state)
         if m:
-            trial.release(np.concatenate([e[2].idx for e in ends[:m]]))
+            trial.release(np.concatenate([j.idx for _, j in read[:m]]))
         idx = self._fit(trial, head, size=head.req.min_slots)
-        shadow = ends[m - 1][0] if m else self.now
+        shadow = read[m - 1][0] if m else self.now
         return (EMPTY if idx is None else idx), shadow
 
     def _shrink_elastic_for(self, head: JobRecord, out: list[Decision]) -> bool:
         """Shrink elastic jobs (priority <= head's) no further than needed, never below their
         minimum, if that lets the head start now; all or nothing. Returns whether it started."""
+        self.work.running += len(self._flex)
         cands = sorted(
-            (j for j in self._active.values()
-             if j.state == "running" and j.req.elastic and j.size > j.req.min_slots
+            (j for j in self._flex.values()
+             if j.req.elastic and j.size > j.req.min_slots
              and j.req.priority <= head.req.priority),
             key=lambda j: (j.req.priority, -(j.size - j.req.min_slots), j.seq),
         )[: self.MAX_SHRINK]
         surplus = sum(j.size - j.req.min_slots for j in cands)
         if not cands or self._state.n_free + surplus < head.req.min_slots:
             return False
-        trial = self._state.copy()
+        trial = self._copy(self._state)
         plan: list[tuple[JobRecord, IntArray]] = []
         for j in cands:
             r = j.req.layout.replica
@@ -392,7 +415,7 @@ class Scheduler(JobBook):
         small = self._own_fit(j, size)
         if small is None:
             return None
-        t2 = trial.copy()
+        t2 = self._copy(trial)
         t2.release(j.idx)
         t2.take(small, j.num)
         idx = self._fit(t2, head)
@@ -401,15 +424,15 @@ class Scheduler(JobBook):
     def _grow_elastic(self, out: list[Decision]) -> None:
         if not self.config.elastic_grow or self._state.n_free == 0:
             return
+        self.work.running += len(self._flex)
         grow = sorted(
-            (j for j in self._active.values()
-             if j.state == "running" and j.req.min_size is not None and j.size < j.req.size),
+            (j for j in self._flex.values() if j.size < j.req.size),
             key=lambda j: (-j.req.priority, self._fair.key(j.req.team), j.seq),
         )
         for j in grow:
             if self._state.n_free < j.req.layout.replica:
                 break
-            trial = self._state.copy()
+            trial = self._copy(self._state)
             trial.release(j.idx)
             idx = self._fit(trial, j)
             if idx is not None and idx.shape[0] > j.size:
