@@ -191,3 +191,32 @@ def test_cli_prints_the_comparison_table(capsys: pytest.CaptureFixture[str],
     assert plot.exists() and "Bokeh" in plot.read_text()[:20000]
     assert sim_main(["--policies", "nope"]) == 2
     assert "unknown policies" in capsys.readouterr().err
+
+
+def test_cli_streams_jobs_profiles_and_reports_progress(capsys: pytest.CaptureFixture[str],
+                                                       tmp_path: Path) -> None:
+    stream = tmp_path / "jobs.jsonl"
+    rc = sim_main(["--hosts", "8", "--hosts-per-leaf", "4", "--jobs", "120", "--seed", "1",
+                   "--policies", "nbtrain,greedy", "--stream", str(stream), "--profile",
+                   "--progress", "1e-9"])
+    captured = capsys.readouterr()
+    assert rc == 0
+    lines = [json.loads(x) for x in stream.read_text().splitlines()]
+    for policy in ("nbtrain", "greedy"):
+        ends = [x for x in lines if x["policy"] == policy and "job_id" in x]
+        assert sorted(x["job_id"] for x in ends) == sorted(f"j{i:03d}" for i in range(120))
+        assert all(x["jct"] >= x["wait"] >= 0 for x in ends if not x["rejected"])
+        (summary,) = [x for x in lines if x["policy"] == policy and "metrics" in x]
+        assert summary["metrics"]["finished"] == sum(1 for x in ends if not x["rejected"])
+    # progress goes to stderr (here after every event), never into the table on stdout
+    assert "nbtrain: 120/120 jobs" in captured.err and "greedy: " in captured.err
+    assert "sim h" not in captured.out
+    out = captured.out
+    assert "profile of nbtrain" in out and "head: reservation" in out
+    assert "profile of greedy" not in out
+
+
+def test_cli_short_run_prints_no_progress(capsys: pytest.CaptureFixture[str]) -> None:
+    assert sim_main(["--hosts", "8", "--hosts-per-leaf", "4", "--jobs", "60",
+                     "--policies", "nbtrain"]) == 0
+    assert capsys.readouterr().err == ""

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from nbtrain.core.topology import Topology
 from nbtrain.sim.gang import GANG_POLICIES, simulate_gang
 from nbtrain.sim.greedy import simulate_greedy
 from nbtrain.sim.ledger import SimResult
+from nbtrain.sim.progress import JobEnd, Progress
 from nbtrain.sim.trace import TraceJob
 
 __all__ = ["ALL_POLICIES", "COLUMNS", "format_table", "run_policies"]
@@ -43,17 +44,25 @@ def run_policies(
     seed: int = 0,
     horizon_s: float | None = None,
     exposed: Mapping[str, float] | None = None,
+    progress: Callable[[Progress], None] | None = None,
+    progress_every_s: float = 5.0,
+    on_job_end: Callable[[JobEnd], None] | None = None,
 ) -> dict[str, SimResult]:
     """Replay ``trace`` once per policy; results keyed by policy name. ``exposed`` sets how
-    placement slows jobs (``nbtrain.sim.ledger.EXPOSED`` by default; ``{}`` for never)."""
+    placement slows jobs (``nbtrain.sim.ledger.EXPOSED`` by default; ``{}`` for never);
+    ``progress`` and ``on_job_end`` as in ``simulate_gang``."""
     out: dict[str, SimResult] = {}
     for name in policies:
         if name == "greedy":
             out[name] = simulate_greedy(topology, trace, team_weights=team_weights,
-                                        horizon_s=horizon_s, exposed=exposed)
+                                        horizon_s=horizon_s, exposed=exposed,
+                                        progress=progress, progress_every_s=progress_every_s,
+                                        on_job_end=on_job_end)
         elif name in GANG_POLICIES:
             out[name] = simulate_gang(topology, trace, name, team_weights=team_weights,
-                                      seed=seed, horizon_s=horizon_s, exposed=exposed)
+                                      seed=seed, horizon_s=horizon_s, exposed=exposed,
+                                      progress=progress, progress_every_s=progress_every_s,
+                                      on_job_end=on_job_end)
         else:
             raise ValueError(f"unknown policy {name!r}; choose from {ALL_POLICIES}")
     return out

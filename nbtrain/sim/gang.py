@@ -17,8 +17,8 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -38,6 +38,7 @@ from nbtrain.core.sched_types import (
 from nbtrain.core.scheduler import Scheduler
 from nbtrain.core.topology import Topology
 from nbtrain.sim.ledger import Ledger, SimResult
+from nbtrain.sim.progress import JobEnd, Meter, Progress
 from nbtrain.sim.trace import TEAMS, TraceJob
 
 __all__ = ["GANG_POLICIES", "simulate_gang"]
@@ -82,11 +83,17 @@ def simulate_gang(
     window_end: float | None = None,
     warmup: float = 0.2,
     exposed: Mapping[str, float] | None = None,
+    progress: Callable[[Progress], None] | None = None,
+    progress_every_s: float = 5.0,
+    on_job_end: Callable[[JobEnd], None] | None = None,
 ) -> SimResult:
     """Replay ``trace`` on ``topology`` under a gang policy (a name in ``GANG_POLICIES`` or a
     ``SchedulerConfig``). ``horizon_s`` stops the clock early. Utilization and fair share are
     measured from ``warmup * window_end`` to ``window_end`` (default: the last arrival), the
-    stretch where the offered load holds; JCT and waits cover every job."""
+    stretch where the offered load holds; JCT and waits cover every job.
+
+    ``progress`` is called at most every ``progress_every_s`` wall seconds, ``on_job_end`` as
+    each job finishes or is rejected (see ``nbtrain.sim.progress``)."""
     if isinstance(policy, str):
         if policy not in GANG_POLICIES:
             raise ValueError(f"unknown gang policy {policy!r}; choose from {list(GANG_POLICIES)}")
@@ -110,6 +117,17 @@ def simulate_gang(
         seq += 1
     heapq.heapify(heap)
     grace = cfg.preempt_grace_s
+    meter = Meter(name, len(trace), progress, progress_every_s)
+
+    def ended(job_id: str, finish: float | None) -> None:
+        if on_job_end is not None:
+            tj = jobs[job_id]
+            on_job_end(JobEnd(
+                policy=name, job_id=job_id, team=tj.team, priority=tj.priority, size=tj.size,
+                submit=tj.submit_s, start=led.starts.get(job_id), finish=finish,
+                rejected=finish is None,
+            ))
+
     wall0 = time.perf_counter()
     t = 0.0
     while heap:
@@ -131,6 +149,7 @@ def simulate_gang(
             led.finishes[job_id] = t
             run.done = True
             run.idx = None
+            ended(job_id, t)
             event = Finished(t, job_id)
         else:  # release after a preemption
             assert run.idx is not None
@@ -183,7 +202,10 @@ def simulate_gang(
                 led.log(t, "reject", d.job_id)
                 led.rejected.add(d.job_id)
                 led.waiting -= 1
+                ended(d.job_id, None)
         led.sample(t)
+        meter.step(t, len(led.finishes) + len(led.rejected), led.waiting, len(led.open))
+    meter.done(t, len(led.finishes) + len(led.rejected), led.waiting, len(led.open))
     led.close_all(t)
     wall = time.perf_counter() - wall0
     unfinished = sum(1 for r in runs.values() if not r.done and r.job.job_id not in led.rejected)
@@ -191,6 +213,7 @@ def simulate_gang(
     deadlocks = 0 if horizon_s is not None else unfinished
     res = led.result(name, deadlocks=deadlocks, stuck=unfinished, wall_s=wall)
     res.final_owners = sched.owners()
+    res.work = asdict(sched.work)
     try:
         sched.check_invariants()
     except AssertionError as err:  # pragma: no cover - a scheduler bug, surfaced loudly

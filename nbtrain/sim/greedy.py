@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,6 +21,7 @@ import numpy as np
 from nbtrain.core.placement import Layout
 from nbtrain.core.topology import Topology
 from nbtrain.sim.ledger import Ledger, SimResult
+from nbtrain.sim.progress import JobEnd, Meter, Progress
 from nbtrain.sim.trace import TEAMS, TraceJob
 
 __all__ = ["simulate_greedy"]
@@ -42,9 +43,13 @@ def simulate_greedy(
     window_end: float | None = None,
     warmup: float = 0.2,
     exposed: Mapping[str, float] | None = None,
+    progress: Callable[[Progress], None] | None = None,
+    progress_every_s: float = 5.0,
+    on_job_end: Callable[[JobEnd], None] | None = None,
 ) -> SimResult:
     """Replay ``trace`` with per-rank greedy allocation; elastic jobs run at full size.
-    Measurement windows as in ``simulate_gang``."""
+    Measurement windows, ``progress`` and ``on_job_end`` as in ``simulate_gang`` (here one
+    event is one allocation round)."""
     jobs = {j.job_id: j for j in trace}
     weights = dict(team_weights or {t: TEAMS.get(t, 1.0) for t in sorted({j.team for j in trace})})
     last_arrival = max((j.submit_s for j in trace), default=0.0)
@@ -60,6 +65,17 @@ def simulate_greedy(
     seq = len(heap)
     deadlocks = 0
     resolving = False
+    meter = Meter("greedy", len(trace), progress, progress_every_s)
+
+    def ended(job_id: str, finish: float | None) -> None:
+        if on_job_end is not None:
+            tj = jobs[job_id]
+            on_job_end(JobEnd(
+                policy="greedy", job_id=job_id, team=tj.team, priority=tj.priority,
+                size=tj.size, submit=tj.submit_s, start=led.starts.get(job_id), finish=finish,
+                rejected=finish is None,
+            ))
+
     wall0 = time.perf_counter()
     t = 0.0
     while heap:
@@ -75,6 +91,7 @@ def simulate_greedy(
             if kind == "arrive":
                 if jobs[job_id].size > topology.n_slots:
                     led.rejected.add(job_id)
+                    ended(job_id, None)
                 else:
                     waiting[job_id] = _Wait(jobs[job_id])
                     led.waiting += 1
@@ -83,6 +100,7 @@ def simulate_greedy(
                 led.seg_close(t, job_id)
                 led.unhold(idx)
                 led.finishes[job_id] = t
+                ended(job_id, t)
                 for i in idx.tolist():
                     heapq.heappush(free, i)
             elif kind == "resolve":
@@ -112,6 +130,8 @@ def simulate_greedy(
             seq += 1
             heapq.heappush(heap, (t + deadlock_timeout_s, 0, seq, "resolve", ""))
         led.sample(t, held_partial=partial)
+        meter.step(t, len(led.finishes) + len(led.rejected), led.waiting, len(running))
+    meter.done(t, len(led.finishes) + len(led.rejected), led.waiting, len(running))
     led.close_all(t)
     unfinished = sum(1 for k in jobs if k not in led.finishes and k not in led.rejected)
     return led.result("greedy", deadlocks=deadlocks, stuck=unfinished,

@@ -40,6 +40,8 @@ class SimResult:
     jobs: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per job: submit, start (first), finish, wait, jct, size."""
     final_owners: list[str | None] = field(default_factory=list)
+    work: dict[str, int] = field(default_factory=dict)
+    """The gang scheduler's work counters at the end (``nbtrain.core.jobbook.Work``)."""
 
 
 @dataclass
