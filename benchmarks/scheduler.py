@@ -1,4 +1,5 @@
-"""Gang scheduler benchmark at 8,192 GPUs: decision latency, utilization, placement quality.
+"""Gang scheduler benchmark at 8,192 and 65,536 GPUs: decision latency and its aging over a long
+replay, utilization, placement quality.
 
 Cluster: 1,024 hosts x 8 GPUs (one NVSwitch per host), 32 hosts per leaf switch, 8 leaves per
 pod (4 pods). Jobs from ``nbtrain.sim.trace.generate``: sizes 1-1,024 GPUs, powers of two with
@@ -22,9 +23,22 @@ whole host or more with tp=8 (and pp=2/4 from 8 hosts up).
     one NVLink domain; ``jain`` is Jain's index of per-team use / weight.
 (c) nbtrain and greedy again on the load trace, with placement not changing job speed
     (``*_no_slowdown``), so the utilization gain does not rest on the slowdown model.
+(d) Aging (full run only): 100,000 jobs at load 0.9 (about 400 simulated hours), nbtrain
+    only. ``replay_100k_s`` is the wall time of the replay; ``decision_p99_ms_first_10k`` and
+    ``decision_p99_ms_last_10k`` are the p99 of the decisions made while the first and the
+    last 10,000 jobs arrive (the drain after the last arrival is left out). A scheduler whose
+    decisions cost more as finished jobs pile up shows it in the ratio of the two. The same
+    figures over the first and last 10,000 *decisions* are reported as ``*_events``: the first
+    10,000 decisions come before the cluster first fills up, so no head job is ever blocked
+    there, and the ratio compares an idle cluster with a busy one rather than a young
+    controller with an old one.
+(e) 65,536 GPUs: 8,192 hosts x 8 GPUs in NVL72-like NVLink domains of 9 hosts (72 GPUs), 36
+    hosts per leaf, 16 leaves per pod. 14,000 jobs are submitted at once (the cluster takes
+    about 2,000, the rest queue) and replayed for one simulated hour;
+    ``decision_p99_ms_65k`` is the p99 of the decisions made while at least 10,000 jobs wait.
 
-Run: ``python benchmarks/scheduler.py --quick`` (under a minute on two cores). The last stdout
-line is one JSON object of the figures measured in this run.
+Run: ``python benchmarks/scheduler.py --quick`` (about a minute on two cores; skips (d)). The
+last stdout line is one JSON object of the figures measured in this run.
 """
 
 from __future__ import annotations
@@ -32,17 +46,95 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from nbtrain.core.topology import Topology
 from nbtrain.sim.compare import format_table, run_policies
 from nbtrain.sim.gang import simulate_gang
 from nbtrain.sim.greedy import simulate_greedy
 from nbtrain.sim.ledger import SimResult
-from nbtrain.sim.trace import generate
+from nbtrain.sim.progress import Progress
+from nbtrain.sim.trace import TraceJob, generate
 
 SIZE_ALPHA = 0.5
+AGING_JOBS = 100_000
+WINDOW = 10_000
+QUEUED_65K = 10_000
+
+
+def _progress(p: Progress) -> None:
+    print(f"  ... {p.line()}", file=sys.stderr, flush=True)
+
+
+def _p99(ms: np.ndarray) -> float:
+    return round(float(np.percentile(ms, 99)), 3) if ms.size else float("nan")
+
+
+def _aging(topo: Topology, seed: int) -> dict[str, Any]:
+    trace = generate(AGING_JOBS, topo.n_slots, load=0.9, seed=seed, size_alpha=SIZE_ALPHA)
+    print(f"  arrival window {trace[-1].submit_s / 3600:.1f} simulated hours")
+    res = simulate_gang(topo, trace, "nbtrain", seed=seed, progress=_progress,
+                        progress_every_s=30.0)
+    ms = res.decision_ms
+    first, last = _arrival_windows(res, trace)
+    figures = {
+        "replay_100k_s": round(res.metrics["wall_s"], 1),
+        "replay_100k_decisions": int(ms.shape[0]),
+        "decision_p99_ms_first_10k": _p99(ms[first]),
+        "decision_p99_ms_last_10k": _p99(ms[last]),
+        "decision_p99_ms_first_10k_events": _p99(ms[:WINDOW]),
+        "decision_p99_ms_last_10k_events": _p99(ms[-WINDOW:]),
+        "replay_100k_work_per_decision": round(
+            sum(v for k, v in res.work.items() if k != "events") / max(1, ms.shape[0]), 1),
+        "replay_100k_schedule_hash": res.schedule_hash,
+    }
+    # p99 per tenth of the replay: flat when decisions do not age
+    tenths = [_p99(part) for part in np.array_split(ms, 10)]
+    print(f"  replay {figures['replay_100k_s']} s, {ms.shape[0]:,} decisions; p99 ms per tenth: "
+          f"{', '.join(f'{x:.2f}' for x in tenths)}")
+    print(f"  p99 while the first / last {WINDOW:,} jobs arrive: "
+          f"{figures['decision_p99_ms_first_10k']:.2f} / "
+          f"{figures['decision_p99_ms_last_10k']:.2f} ms; over the first / last {WINDOW:,} "
+          f"decisions: {figures['decision_p99_ms_first_10k_events']:.2f} / "
+          f"{figures['decision_p99_ms_last_10k_events']:.2f} ms")
+    return figures
+
+
+def _arrival_windows(res: SimResult, trace: Sequence[TraceJob]) -> tuple[slice, slice]:
+    """Decisions made while the first and while the last ``WINDOW`` jobs arrived (one timeline
+    point per decision, in order)."""
+    times = np.asarray([p[0] for p in res.timeline])
+    first_end = int(np.searchsorted(times, trace[WINDOW - 1].submit_s, side="right"))
+    last_start = int(np.searchsorted(times, trace[-WINDOW - 1].submit_s, side="right"))
+    last_end = int(np.searchsorted(times, trace[-1].submit_s, side="right"))
+    return slice(0, first_end), slice(last_start, last_end)
+
+
+def _big_cluster(seed: int) -> dict[str, Any]:
+    topo = Topology.declare(8192, 8, hosts_per_leaf=36, leaves_per_pod=16, nvlink_hosts=9)
+    print(f"  cluster: {topo.describe()}")
+    trace = generate(QUEUED_65K + 4000, topo.n_slots, load=0.9, seed=seed,
+                     size_alpha=SIZE_ALPHA, max_size=1024)
+    queued = [dataclasses.replace(j, submit_s=0.0) for j in trace]
+    res = simulate_gang(topo, queued, "nbtrain", seed=seed, horizon_s=3600.0, window_end=3600.0)
+    waiting = np.asarray([p[3] for p in res.timeline])
+    ms = res.decision_ms[waiting >= QUEUED_65K]
+    figures = {
+        "gpus_65k": topo.n_slots,
+        "decision_p99_ms_65k": _p99(ms),
+        "decision_p50_ms_65k": round(float(np.percentile(ms, 50)), 3) if ms.size else None,
+        "decisions_65k": int(ms.shape[0]),
+        "max_queued_65k": int(waiting.max()),
+    }
+    print(f"  {ms.shape[0]:,} decisions with >= {QUEUED_65K:,} jobs waiting (at most "
+          f"{figures['max_queued_65k']:,}): p50 {figures['decision_p50_ms_65k']} ms, p99 "
+          f"{figures['decision_p99_ms_65k']} ms; replay {res.metrics['wall_s']:.1f} s")
+    return figures
 
 
 def _backlog(topo: Topology, n_jobs: int, seed: int) -> dict[str, SimResult]:
@@ -60,7 +152,8 @@ def _makespan_h(res: SimResult) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="4,000-job load run (about a minute)")
+    ap.add_argument("--quick", action="store_true",
+                    help="4,000-job load run, no 100,000-job replay (about a minute)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--queued", type=int, default=2000, help="jobs in the backlog replay")
     ap.add_argument("--load-jobs", type=int, default=None,
@@ -92,6 +185,13 @@ def main() -> int:
     print("\n(c) the same load run with placement not changing job speed (--no-slowdown)")
     plain = run_policies(topo, trace, ["nbtrain", "greedy"], seed=args.seed, exposed={})
     print(format_table(plain))
+
+    print(f"\n(e) 65,536 GPUs, {QUEUED_65K:,}+ jobs queued")
+    big = _big_cluster(args.seed)
+    aging: dict[str, Any] = {}
+    if not args.quick:
+        print(f"\n(d) aging: {AGING_JOBS:,} jobs at load 0.9, nbtrain only")
+        aging = _aging(topo, args.seed)
 
     figures: dict[str, Any] = {
         "hosts": 1024,
@@ -129,11 +229,15 @@ def main() -> int:
         "large_wait_mean_h": round(ours["large_wait_mean_h"], 3),
         "preemptions": int(ours["preemptions"]),
         "fragmentation": round(ours["fragmentation"], 4),
-        "wall_s": round(time.perf_counter() - t_all, 1),
     }
     if "fifo" in load:
         figures["util_fifo"] = round(load["fifo"].metrics["util"], 4)
         figures["wait_mean_h_fifo"] = round(load["fifo"].metrics["wait_mean_h"], 3)
+    figures |= big | aging
+    if aging:
+        figures["aging_ratio_p99"] = round(
+            aging["decision_p99_ms_last_10k"] / aging["decision_p99_ms_first_10k"], 3)
+    figures["wall_s"] = round(time.perf_counter() - t_all, 1)
     print()
     print(json.dumps(figures))
     return 0
