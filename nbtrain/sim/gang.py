@@ -157,9 +157,11 @@ def simulate_gang(
             run.idx = None
             led.waiting += 1
             event = Released(t, job_id)
+        work0 = sched.work.total()
         t0 = time.perf_counter()
         decisions = sched.handle(event)
         led.decision_s.append(time.perf_counter() - t0)
+        led.decision_work.append(sched.work.total() - work0)
         for d in decisions:
             run = runs[d.job_id]
             if isinstance(d, StartJob):

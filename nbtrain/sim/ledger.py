@@ -42,6 +42,10 @@ class SimResult:
     final_owners: list[str | None] = field(default_factory=list)
     work: dict[str, int] = field(default_factory=dict)
     """The gang scheduler's work counters at the end (``nbtrain.core.jobbook.Work``)."""
+    decision_work: npt.NDArray[np.int64] = field(
+        default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Work units (``Work.total``) of each decision, in order: the cost of a decision counted
+    exactly, to compare early and late decisions of a replay on any machine (gang only)."""
 
 
 @dataclass
@@ -100,6 +104,7 @@ class Ledger:
         self.preemptions = 0
         self.resizes = 0
         self.decision_s: list[float] = []
+        self.decision_work: list[int] = []
         self.timeline: list[tuple[float, int, int, int]] = []
         self._hash = hashlib.sha256()
         self._frag_acc = 0.0
@@ -238,6 +243,7 @@ class Ledger:
             schedule_hash=self._hash.hexdigest(),
             timeline=self.timeline,
             jobs=jobs,
+            decision_work=np.asarray(self.decision_work, dtype=np.int64),
         )
 
 
