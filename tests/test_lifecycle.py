@@ -430,3 +430,21 @@ def test_unknown_request_is_an_error() -> None:
     run_to_running(h)
     with pytest.raises(ValueError, match="unknown request 'frobnicate'"):
         h.feed(Request, "a", "frobnicate")
+
+
+def test_forgotten_jobs_leave_the_machine_and_the_scheduler() -> None:
+    """A controller that runs for weeks keeps only live jobs (and a bounded history that the
+    engine chooses), in the machine and in the gang scheduler."""
+    h = Harness()
+    for i in range(30):
+        jid = f"j{i}"
+        h.submit(jid)
+        h.exit(jid, 0, 0)
+        h.exit(jid, 0, 1)
+        assert h.state(jid) == "SUCCEEDED"
+        h.m.forget(jid)
+    assert h.m.job_ids() == []
+    assert h.m.sched is not None and h.m.sched.job_ids() == []
+    h.submit("live")
+    h.m.forget("live")  # a live job is never forgotten
+    assert h.m.job_ids() == ["live"]

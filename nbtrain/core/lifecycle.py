@@ -115,6 +115,7 @@ class JobMachine:
         self.now = 0.0
         self.wall = 0.0
         self._jobs: dict[str, LiveJob] = {}
+        self._live: dict[str, LiveJob] = {}  # jobs with a generation (ticks walk only these)
         self._pending: list[str] = []  # submitted before any worker joined
         self._offline: set[str] = set()  # slots the scheduler has been told are offline
         self._restarting: dict[str, float] = {}  # slot -> when its restart was asked
@@ -165,6 +166,8 @@ class JobMachine:
         job = self._jobs.get(job_id)
         if job is not None and job.state.terminal:
             del self._jobs[job_id]
+            if self.sched is not None:
+                self.sched.forget(job_id)
 
     def slots(self) -> list[SlotView]:
         """Every slot the cluster has had, with its state and holder."""
@@ -267,6 +270,7 @@ class JobMachine:
         gen = Generation(number=number, slots=slots, addresses=addresses, started=self.now,
                          last_progress=self.now)
         job.gen = gen
+        self._live[job.id] = job
         job.generation = number
         job.checkpoint_seq = 0
         job.queue_note = ""
@@ -303,7 +307,7 @@ class JobMachine:
                            "waiting for workers to join")
                 else:
                     why = f"needs {need} slots at once; {free} of {online} free{away}"
-                    releasing = [j.name for j in self._jobs.values()
+                    releasing = [j.name for j in self._live.values()
                                  if j.preempt is not None and j.preempt.for_job == job.id]
                     if releasing:
                         why += f"; preempted {', '.join(releasing)} releasing its slots"
@@ -347,7 +351,7 @@ class JobMachine:
                                "address": address, "host": rec.host,
                                "restarting": slot in self._restarting})
         hit: list[LiveJob] = []
-        for job in self._jobs.values():
+        for job in self._live.values():
             gen = job.gen
             if gen is None or slot not in gen.slots:
                 continue
@@ -501,7 +505,7 @@ class JobMachine:
 
     # ================================================================== time
     def _on_tick(self) -> None:
-        for job in list(self._jobs.values()):
+        for job in list(self._live.values()):
             gen = job.gen
             if gen is None:
                 continue
@@ -586,6 +590,7 @@ class JobMachine:
         gen = job.gen
         assert gen is not None
         job.gen = None
+        self._live.pop(job.id, None)
         self._out.append(EndGeneration(job.id, gen.number))
         if gen.failing:
             self._generation_failed(job, gen)
