@@ -94,6 +94,10 @@ class Settings:
     #: How long the controller waits for a nanny to kill a worker it restarts.
     worker_restart_timeout_s: float = 30.0
 
+    #: Largest return value of a training function that comes back as ``job.result()``
+    #: (pickled); save bigger things to storage and return their path.
+    result_max_bytes: int = 64 * 1024 * 1024
+
     # -- this client
     #: Where a client keeps the tokens of the jobs it submitted, so a restarted kernel can
     #: steer them again ("" keeps them in memory only). One file per user, mode 0600.

@@ -90,3 +90,23 @@ def assert_params_equal(out_dir: str | Path, expected: dict[str, torch.Tensor],
         got = torch.load(Path(out_dir) / f"rank{rank}.pt")
         for name, value in expected.items():
             torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6)
+
+
+def regression_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> dict[str, Any]:
+    """``Regression`` as a training function: the user's own loop over ``ctx.batches``."""
+    model = ctx.prepare(make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=config.get("lr", 0.05), momentum=0.9)
+    ctx.track(model=model, optimizer=opt)
+    loss = torch.zeros(())
+    for x, y in ctx.batches(regression_data(), global_batch_size=config.get("batch", 32)):
+        if config.get("step_sleep"):
+            time.sleep(config["step_sleep"])
+        loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ctx.report(loss=loss.item())
+    # Runs only when the loop completed (not after a stop or preemption).
+    if config.get("out_dir"):
+        torch.save(model.module.state_dict(), Path(config["out_dir"]) / f"rank{ctx.rank}.pt")
+    return {"steps": ctx.step, "final_loss": float(loss.item())}

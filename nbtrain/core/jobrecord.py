@@ -20,7 +20,7 @@ from nbtrain.core.stragglerwatch import StragglerWatch
 __all__ = ["Generation", "JobStatus", "LiveJob", "Preemption", "primary_failure"]
 
 #: Control flags a generation's ranks act on (``checkpoint`` is a sequence number).
-CONTROL_FLAGS = ("stop", "preempt", "checkpoint")
+CONTROL_FLAGS = ("stop", "preempt", "checkpoint", "halt")
 
 
 @dataclass
@@ -80,7 +80,7 @@ class JobStatus:
     team: str
     priority: int
     world_size: int
-    steps: int
+    steps: int | None
     state: str
     reason: str
     generation: int

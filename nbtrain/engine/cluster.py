@@ -16,6 +16,7 @@ import os
 import secrets
 import uuid
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import cloudpickle
@@ -25,7 +26,7 @@ from distributed import Client, LocalCluster
 from nbtrain.config import Settings
 from nbtrain.core.checkpoint_policy import parse_checkpoint_setting
 from nbtrain.core.faults import Fault
-from nbtrain.core.job import JobSpec
+from nbtrain.core.job import JobSpec, format_progress
 from nbtrain.core.lifecycle_types import JobPolicy, JobSubmission
 from nbtrain.core.mitigation import MitigationSettings, make_policy
 from nbtrain.engine.checkpoints import job_url, resolve_resume
@@ -36,6 +37,7 @@ from nbtrain.engine.remote import Follower, Remote
 from nbtrain.engine.tokens import TokenStore
 from nbtrain.engine.wire import submission_to_wire
 from nbtrain.engine.workers import NbtrainWorker
+from nbtrain.runtime.function import TrainFunction
 
 __all__ = ["QUIET_WORKER_CONFIG", "Cluster", "connect", "default_worker_count"]
 
@@ -140,14 +142,21 @@ class Cluster:
         return cluster_dashboard(self, display=display, **options)
 
     # -- jobs -----------------------------------------------------------------------------
-    def submit(self, recipe: Any, *, world_size: int, steps: int, name: str | None = None,
+    def submit(self, recipe: Any, *, world_size: int, steps: int | None = None,
+               name: str | None = None, config: Mapping[str, Any] | None = None,
                queue: bool = True, seed: int = 0, priority: int = 0,
                team: str = "default", checkpoint: int | str | None = "auto",
                resume: str | None = None, max_restarts: int = 3,
                restart_window_s: float = 3600.0,
                faults: list[Fault] | None = None,
                stragglers: str | MitigationSettings = "alert") -> JobHandle:
-        """Start ``recipe`` on ``world_size`` slots at once (gang), or queue it.
+        """Start a training job on ``world_size`` slots at once (gang), or queue it.
+
+        ``recipe``: a training function ``train(ctx, config)`` with its own loop over
+        ``ctx.batches(...)`` (``config`` is passed to it; its return value on rank 0 is
+        ``job.result()``), or an ``nbtrain.Recipe`` (``setup``/``step``, nbtrain's loop).
+        ``steps``: steps to train (required for a Recipe; for a function None lets its loop
+        decide).
 
         Returns a :class:`JobHandle` immediately; training runs in the background, in the
         cluster, and goes on if this kernel stops.
@@ -169,19 +178,33 @@ class Cluster:
         """
         if self._closed:
             raise RuntimeError("this cluster is closed: call nbtrain.connect() again")
-        if not (callable(getattr(recipe, "setup", None)) and callable(getattr(recipe, "step",
-                                                                                None))):
+        is_recipe = (callable(getattr(recipe, "setup", None))
+                     and callable(getattr(recipe, "step", None)))
+        if is_recipe:
+            if config is not None:
+                raise TypeError("config= is for training functions; a Recipe takes its "
+                                "settings in its constructor")
+            if steps is None:
+                raise ValueError(f"a Recipe job needs steps=N (got steps=None): nbtrain's loop "
+                                 f"runs {type(recipe).__name__}.step that many times")
+            work: Any = recipe
+            label = type(recipe).__name__
+        elif callable(recipe):
+            work = TrainFunction(recipe, dict(config or {}))
+            label = work.name
+        else:
             raise TypeError(
-                f"recipe must be an nbtrain.Recipe (with setup(ctx) and step(ctx, batch)), "
-                f"got {type(recipe).__name__}"
+                f"submit takes a training function train(ctx, config) or an nbtrain.Recipe "
+                f"(with setup(ctx) and step(ctx, batch)), got {type(recipe).__name__}"
             )
         job_id = uuid.uuid4().hex[:8]
-        spec = JobSpec(job_id=job_id, name=name or f"{type(recipe).__name__}-{job_id[:4]}",
+        spec = JobSpec(job_id=job_id, name=name or f"{label}-{job_id[:4]}",
                        world_size=world_size, steps=steps, queue=queue, seed=seed,
                        priority=priority, team=team, checkpoint=checkpoint, resume=resume,
-                       max_restarts=max_restarts, restart_window_s=restart_window_s)
+                       max_restarts=max_restarts, restart_window_s=restart_window_s,
+                       extra={"kind": "recipe" if is_recipe else "function"})
         parse_checkpoint_setting(spec.checkpoint)  # raises ValueError naming the fix
-        payload = _pickle_recipe(recipe)
+        payload = _pickle_recipe(work)
         mitigation = (stragglers if isinstance(stragglers, MitigationSettings)
                       else MitigationSettings(policy=stragglers))
         make_policy(mitigation)  # unknown names fail here, not in the controller
@@ -253,7 +276,7 @@ class Cluster:
         )
         job_rows = "".join(
             f"<tr><td>{html.escape(j['name'])}</td><td>{j['state']}</td>"
-            f"<td>{j['step']}/{j['steps']}</td><td>{html.escape(j['owner'])}</td>"
+            f"<td>{format_progress(j['step'], j['steps'])}</td><td>{html.escape(j['owner'])}</td>"
             f"<td>{html.escape(j['reason'])}</td></tr>"
             for j in snap["jobs"]
         )
@@ -324,13 +347,19 @@ def _whoami() -> str:
         return "unknown"
 
 
-def _pickle_recipe(recipe: Any) -> bytes:
+def _pickle_recipe(work: Any) -> bytes:
     try:
-        payload = cloudpickle.dumps(recipe)
+        payload = cloudpickle.dumps(work)
         cloudpickle.loads(payload)
     except Exception as exc:
+        if isinstance(work, TrainFunction):
+            raise TypeError(
+                f"the training function {work.name} or its config cannot be pickled to send "
+                f"them to the ranks: {type(exc).__name__}: {exc}. Keep open files, locks, "
+                "clients and live models out of the config and of the globals the function "
+                "uses; create them inside the function") from exc
         raise TypeError(
-            f"the recipe {type(recipe).__name__} cannot be pickled to send it to the ranks: "
+            f"the recipe {type(work).__name__} cannot be pickled to send it to the ranks: "
             f"{type(exc).__name__}: {exc}. Keep open files, locks, clients and live models out "
             "of the recipe's __init__; create them in setup(ctx)"
         ) from exc

@@ -91,6 +91,8 @@ class JobAssets:
     rendezvous: dict[int, dict[str, Any]] = field(default_factory=dict)  # gen -> host, port
     control: dict[str, Any] = field(default_factory=dict)  # gen, version, flags
     last_ended: int = -1  # the newest generation that has ended
+    result: bytes | None = None  # a training function's return value on rank 0, pickled
+    result_error: str | None = None
 
 
 class ClusterController(SchedulerPlugin):
@@ -359,6 +361,11 @@ class ClusterController(SchedulerPlugin):
         failure: RankFailureInfo | None = None
         try:
             outcome = dict(await fut)
+            assets = self.assets.get(job_id)
+            if assets is not None and ("result" in outcome or "result_error" in outcome):
+                # Kept as bytes: the scheduler never unpickles user objects.
+                assets.result = outcome.pop("result", None)
+                assets.result_error = outcome.pop("result_error", None)
         except asyncio.CancelledError:
             if self._closed:
                 raise

@@ -46,6 +46,7 @@ def install(ctl: ClusterController, scheduler: Any) -> None:
         "nbtrain_jobs": functools.partial(jobs, ctl),
         "nbtrain_job": functools.partial(job, ctl),
         "nbtrain_cluster": functools.partial(cluster, ctl),
+        "nbtrain_result": functools.partial(result, ctl),
         "nbtrain_rendezvous": functools.partial(rendezvous, ctl),
         "nbtrain_control": functools.partial(control, ctl),
     }
@@ -187,6 +188,14 @@ async def job(ctl: ClusterController, *, key: str) -> dict[str, Any]:
 
     return {"job_id": key, "spec": plain(assets.spec), "checkpoint_url": assets.checkpoint_url,
             "status": ctl._status(key)}
+
+
+async def result(ctl: ClusterController, *, job_id: str) -> dict[str, Any]:
+    """A training function's return value on rank 0 (pickled bytes, None if it returned
+    nothing), or why there is none."""
+    _known(ctl, job_id)
+    assets = ctl.assets[job_id]
+    return {"result": assets.result, "error": assets.result_error}
 
 
 async def cluster(ctl: ClusterController, *, log_from: int = 0) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import cloudpickle
 import pandas as pd
 
 from nbtrain.core.faults import Fault
@@ -257,17 +258,27 @@ class JobHandle:
         if not self._done.wait(timeout):
             raise TimeoutError(
                 f"job {self.name} still {self.status.value} after {timeout} s "
-                f"(step {self.step}/{self.spec.steps}); call job.stop() to end it"
+                f"(step {self.spec.progress(self.step)}); call job.stop() to end it"
             )
         return self.status
 
-    def result(self, timeout: float | None = None) -> JobHandle:
-        """Wait, then raise :class:`JobFailedError` unless the job succeeded."""
+    def result(self, timeout: float | None = None) -> Any:
+        """Wait, then raise :class:`JobFailedError` unless the job succeeded. Returns the
+        training function's return value on rank 0 (a Recipe job returns this handle)."""
         state = self.wait(timeout)
         if state is not JobState.SUCCEEDED:
             detail = f"\n{self.error}" if self.error else ""
             raise JobFailedError(f"job {self.name} {state.value}: {self.reason}{detail}")
-        return self
+        if self.spec.extra.get("kind") != "function":
+            return self
+        if self._cluster is None:
+            raise RuntimeError(f"job {self.name}: this handle is not attached to a cluster")
+        reply = self._cluster._remote.call("nbtrain_result", job_id=self.id)
+        if reply.get("error"):
+            raise JobFailedError(f"job {self.name} succeeded but its result did not come back: "
+                                 f"{reply['error']}")
+        data = reply.get("result")
+        return None if data is None else cloudpickle.loads(data)
 
     # -- views ----------------------------------------------------------------------------
     def dashboard(self, display: str | None = None, **options: Any) -> Any:
@@ -352,7 +363,7 @@ class JobHandle:
 
     # -- notebook display -----------------------------------------------------------------
     def __repr__(self) -> str:
-        return (f"<JobHandle {self.name} {self.status.value} step {self.step}/{self.spec.steps} "
+        return (f"<JobHandle {self.name} {self.status.value} step {self.spec.progress(self.step)} "
                 f"world_size={self.spec.world_size}: {self.reason}>")
 
     def _repr_html_(self) -> str:
@@ -366,7 +377,7 @@ class JobHandle:
         owner = f", owner {html.escape(self.owner)}" if self.owner else ""
         return (
             f"<div><b>nbtrain job {html.escape(self.name)}</b> "
-            f"<span style='color:{colour}'>{state}</span> — step {self.step}/{self.spec.steps}, "
+            f"<span style='color:{colour}'>{state}</span> — step {self.spec.progress(self.step)}, "
             f"world size {self.spec.world_size}, generation {max(self.generation, 0)}{owner}"
             f"<br><i>{html.escape(self.reason)}</i>{err}</div>"
         )

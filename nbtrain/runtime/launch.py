@@ -42,8 +42,8 @@ class RankLaunch:
     rank: int
     world_size: int
     generation: int
-    recipe: bytes  # cloudpickled Recipe, as the submitting client made it
-    steps: int
+    recipe: bytes  # cloudpickled Recipe or TrainFunction, as the submitting client made it
+    steps: int | None  # None: a training function's own loop decides
     seed: int
     host_slots: int  # slots of the cluster on this rank's host, to size torch threads
     settings: Settings

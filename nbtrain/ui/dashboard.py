@@ -183,7 +183,7 @@ class JobDashboard(widgets.VBox):
         restarts = getattr(job, "restarts", None)
         if not isinstance(restarts, int):
             restarts = self.eventlog.restarts
-        parts = [f"step {job.step}/{job.spec.steps}",
+        parts = [f"step {job.spec.progress(job.step)}",
                  f"generation {max(job.generation, 0)}",
                  f"world size {len(job.slots) or job.spec.world_size}",
                  f"restarts {restarts}"]

@@ -131,8 +131,9 @@ class EventLog:
             ck.last_error = _first_line(ev.get("error")) or "unknown error"
             if ck.in_flight_step == step:
                 ck.in_flight_step = ck.in_flight_phase = None
+            stage = f" during {ev['stage']}" if ev.get("stage") else ""
             return Alert(when, "error", "checkpoint",
-                         f"checkpoint of step {step} failed: {ck.last_error}")
+                         f"checkpoint of step {step} failed{stage}: {ck.last_error}")
         # snapshot / persisted: a checkpoint newer than the committed one is on its way
         if step is not None and (ck.committed_step is None or step > ck.committed_step):
             ck.in_flight_step = step

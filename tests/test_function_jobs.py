@@ -1,0 +1,84 @@
+"""Bring your own loop: a training function, on a real cluster, with the guarantees of a
+Recipe (exact results, recovery, stop at a step boundary) and its return value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import nbtrain
+from nbtrain import Fault, JobState
+from tests.conftest import wait_for
+from tests.recipes import (
+    Regression,
+    assert_params_equal,
+    regression_train,
+    single_process_params,
+)
+
+STEPS = 30
+
+
+def test_function_and_recipe_train_the_same_parameters(free_cluster: nbtrain.Cluster,
+                                                       tmp_path: Path) -> None:
+    (tmp_path / "f").mkdir()
+    (tmp_path / "r").mkdir()
+    fn = free_cluster.submit(regression_train, world_size=2, steps=STEPS,
+                             config={"out_dir": str(tmp_path / "f")})
+    assert fn.wait(120) is JobState.SUCCEEDED, fn.error
+    result = fn.result()
+    assert result["steps"] == STEPS and result["final_loss"] > 0
+    recipe = free_cluster.submit(Regression(out_dir=str(tmp_path / "r")), world_size=2,
+                                 steps=STEPS)
+    assert recipe.wait(120) is JobState.SUCCEEDED, recipe.error
+    for rank in (0, 1):
+        a = torch.load(tmp_path / "f" / f"rank{rank}.pt")
+        b = torch.load(tmp_path / "r" / f"rank{rank}.pt")
+        for name in a:
+            torch.testing.assert_close(a[name], b[name], rtol=0, atol=0)
+    assert_params_equal(tmp_path / "f", single_process_params(STEPS))
+    m = fn.metrics
+    assert {"data_s", "compute_s", "comm_s", "opt_s", "loss"} <= set(m.columns)
+    assert (m["opt_s"] > 0).all()  # the optimizer tracked with ctx.track is timed
+
+
+@pytest.mark.slow
+def test_function_job_recovers_exactly_from_a_killed_rank(free_cluster: nbtrain.Cluster,
+                                                          tmp_path: Path) -> None:
+    job = free_cluster.submit(regression_train, world_size=2, steps=STEPS, checkpoint=4,
+                              config={"out_dir": str(tmp_path), "step_sleep": 0.01},
+                              faults=[Fault("kill", rank=1, step=17)], max_restarts=2)
+    assert job.wait(180) is JobState.SUCCEEDED, job.error
+    [fault] = job.faults
+    assert fault["what"] == "worker died" and fault["rank"] == 1
+    resumed = [e for e in job.events if e["kind"] == "rank_started" and e["gen"] == 1]
+    assert {e["start_step"] for e in resumed} == {fault["resume_step"]}
+    assert fault["resume_step"] >= 12
+    assert_params_equal(tmp_path, single_process_params(STEPS))
+    assert job.result()["steps"] == STEPS
+
+
+def test_stop_ends_the_users_loop_at_a_step_boundary_and_skips_the_rest(
+        free_cluster: nbtrain.Cluster, tmp_path: Path) -> None:
+    job = free_cluster.submit(regression_train, world_size=2, steps=None,
+                              config={"out_dir": str(tmp_path), "step_sleep": 0.01})
+    wait_for(lambda: job.step >= 5, 120, "training progress")
+    job.stop()
+    assert job.wait(60) is JobState.CANCELLED
+    assert list(tmp_path.iterdir()) == []  # the code after the loop did not run
+    assert job.metrics.groupby("rank")["step"].max().nunique() == 1
+    assert "/" not in repr(job).split("step ")[1].split()[0]  # no total for steps=None
+
+
+def test_a_function_that_raises_fails_with_its_traceback(free_cluster: nbtrain.Cluster
+                                                         ) -> None:
+    def broken(ctx: nbtrain.RankContext, config: dict[str, object]) -> None:
+        raise KeyError("no such column: 'label'")
+
+    job = free_cluster.submit(broken, world_size=2, max_restarts=0)
+    assert job.wait(60) is JobState.FAILED
+    assert "no such column" in job.reason and "in broken" in (job.error or "")
+    with pytest.raises(nbtrain.JobFailedError, match="no such column"):
+        job.result()
