@@ -3,6 +3,7 @@ Recipe (exact results, recovery, stop at a step boundary) and its return value."
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 import nbtrain
 from nbtrain import Fault, JobState
+from nbtrain.ui.dashboard import TextProgress
 from tests.conftest import wait_for
 from tests.recipes import (
     Regression,
@@ -82,3 +84,39 @@ def test_a_function_that_raises_fails_with_its_traceback(free_cluster: nbtrain.C
     assert "no such column" in job.reason and "in broken" in (job.error or "")
     with pytest.raises(nbtrain.JobFailedError, match="no such column"):
         job.result()
+
+
+def test_rank_output_reaches_the_notebook_attributed_to_its_rank(
+        free_cluster: nbtrain.Cluster) -> None:
+    def chatty(ctx: nbtrain.RankContext, config: dict[str, object]) -> None:
+        import logging
+        import sys
+        import warnings
+
+        print(f"hello from rank {ctx.rank}")
+        logging.getLogger("mytrain").warning("rank %d is warming up", ctx.rank)
+        warnings.warn(f"deprecated thing on rank {ctx.rank}", UserWarning, stacklevel=1)
+        for i in range(500):  # a progress bar rewriting its line: one line, not 500
+            sys.stderr.write(f"\r{i}/500")
+        sys.stderr.write("\n")
+        for i in range(1000):  # more than the rate limit allows
+            print(f"spam {i}")
+
+    job = free_cluster.submit(chatty, world_size=2)
+    assert job.wait(60) is JobState.SUCCEEDED, job.error
+    wait_for(lambda: any("dropped" in line for line in job.logs(rank=1, tail=None)), 30,
+             "rank 1's output")
+    for rank in (0, 1):
+        lines = job.logs(rank=rank, tail=None)
+        assert f"[rank {rank} g0] hello from rank {rank}" in lines
+        assert any(f"WARNING mytrain: rank {rank} is warming up" in line for line in lines)
+        assert any(f"deprecated thing on rank {rank}" in line and "stderr" in line
+                   for line in lines)
+        assert sum("/500" in line for line in lines) <= 3  # 499/500 and at most a refresh
+        assert any(line.endswith("499/500") for line in lines)
+        assert any("lines dropped" in line for line in lines)
+        assert len(lines) < 400
+    assert all(f"[rank {r}" in "\n".join(job.logs(rank=r)) for r in (0, 1))
+    out = io.StringIO()
+    TextProgress(job, interval_s=0.1, out=out).join(30)
+    assert "[rank 1 g0] hello from rank 1" in out.getvalue()

@@ -6,7 +6,8 @@ event has ``kind`` and ``time`` (wall-clock seconds, for people; durations use m
 clocks). Rank events also carry ``job``, ``rank`` and ``gen`` (the generation).
 
 Producers: the rank runtime (``rank_started``, ``checkpoint``, ``fault_injected``,
-``rank_failed``, ``rank_finished`` and the ``steps`` batches) and the job machine
+``rank_failed``, ``rank_finished``, the ``steps`` batches and the ``log`` batches of its
+output) and the job machine
 (:mod:`nbtrain.core.lifecycle`: ``state``, ``fault``, ``recovery``, ``preemption``,
 ``straggler``, ``mitigation``). Consumers: the job handle, the views, the report.
 """
@@ -30,7 +31,7 @@ __all__ = [
 
 #: Kinds the rank runtime emits (``steps`` carries step rows, see ``core.records``).
 RANK_KINDS = ("steps", "rank_started", "checkpoint", "fault_injected", "rank_failed",
-              "rank_finished")
+              "rank_finished", "log")
 #: Kinds the job machine emits.
 CONTROLLER_KINDS = ("state", "fault", "recovery", "preemption", "straggler", "mitigation")
 

@@ -425,7 +425,12 @@ class ClusterController(SchedulerPlugin):
         assets = self.assets.get(job_id)
         if assets is None:
             return
-        if msg.get("kind") == "steps":
+        kind = msg.get("kind")
+        if kind == "log":  # the rank's output: for the views, nothing for the machine to decide
+            assets.log.add_output(msg)
+            self.wake()
+            return
+        if kind == "steps":
             assets.log.add_rows(int(msg["gen"]), int(msg["rank"]), msg["rows"])
         now, wall = self.now()
         self.feed(RankMessage(now, wall, job_id, msg))

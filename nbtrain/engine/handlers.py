@@ -137,14 +137,15 @@ async def request(ctl: ClusterController, *, job_id: str, what: str, arg: Any = 
 
 async def follow(ctl: ClusterController, *, cursors: Mapping[str, list[int]],
                  timeout: float = 2.0, max_rows: int = 20_000) -> dict[str, Any]:
-    """New rows and events of the followed jobs, and their status. Returns as soon as any
-    has news (after a short pause that batches what arrives together), or after
-    ``timeout`` seconds with the statuses alone."""
+    """New rows, events and output lines of the followed jobs (cursors: positions of the
+    next row, event and line), and their status. Returns as soon as any has news (after a
+    short pause that batches what arrives together), or after ``timeout`` seconds with the
+    statuses alone."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + max(0.0, float(timeout))
     while True:
-        news = {jid: (r, e) for jid, (r, e) in cursors.items()
-                if jid in ctl.assets and ctl.assets[jid].log.has_news(r, e)}
+        news = {jid: c for jid, c in cursors.items()
+                if jid in ctl.assets and ctl.assets[jid].log.has_news(*c)}
         gone = [jid for jid in cursors if jid not in ctl.assets]
         remaining = deadline - loop.time()
         if news or gone or remaining <= 0:
@@ -156,13 +157,14 @@ async def follow(ctl: ClusterController, *, cursors: Mapping[str, list[int]],
             continue
         await asyncio.sleep(FOLLOW_BATCH_S)  # let rows from the other ranks arrive with these
     out: dict[str, Any] = {}
-    for jid, (rows_from, events_from) in cursors.items():
+    for jid, cursor in cursors.items():
         assets = ctl.assets.get(jid)
         status = ctl._status(jid) if assets is not None else None
         if assets is None or status is None:
             out[jid] = {"gone": True}
             continue
-        update = assets.log.since(rows_from, events_from, max_rows)
+        rows_from, events_from, *rest = cursor
+        update = assets.log.since(rows_from, events_from, max_rows, *rest[:1])
         update["status"] = status
         out[jid] = update
     return {"jobs": out}

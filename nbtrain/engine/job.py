@@ -50,6 +50,8 @@ class JobHandle:
         self._rows_pos = 0  # absolute position of the next row to fetch
         self._events: list[dict[str, Any]] = []
         self._events_pos = 0
+        self._output: list[dict[str, Any]] = []  # the ranks' output lines
+        self._output_pos = 0
         self._ends = (0, 0)  # the controller's rows and events ends at the last update
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
         self._following = False
@@ -168,6 +170,22 @@ class JobHandle:
         thread: keep it short and thread-safe)."""
         with self._lock:
             self._listeners.append(listener)
+
+    def logs(self, rank: int | None = None, tail: int | None = 200) -> list[str]:
+        """What the ranks printed, logged and warned (``[rank 1 g0] text``), oldest first:
+        every rank's, or ``rank``'s; the last ``tail`` lines (None: all kept)."""
+        from nbtrain.runtime.output import format_lines
+
+        self._follow()
+        with self._lock:
+            records = [o for o in self._output if rank is None or o["rank"] == rank]
+        return format_lines(records[-tail:] if tail else records)
+
+    def output_since(self, index: int) -> tuple[list[dict[str, Any]], int]:
+        """Output records after position ``index`` and the new position (for live views)."""
+        self._follow()
+        with self._lock:
+            return self._output[index:], len(self._output)
 
     @property
     def faults(self) -> list[dict[str, Any]]:
@@ -305,7 +323,7 @@ class JobHandle:
         if self._following or self._cluster is None or self._done.is_set():
             return
         self._following = True
-        reply = self._cluster._remote.call("nbtrain_follow", cursors={self.id: [0, 0]},
+        reply = self._cluster._remote.call("nbtrain_follow", cursors={self.id: [0, 0, 0]},
                                            timeout=0)
         update = reply["jobs"].get(self.id)
         if update is not None:
@@ -313,9 +331,9 @@ class JobHandle:
         if not self._done.is_set():
             self._cluster._follower.follow(self)
 
-    def _cursor(self) -> tuple[int, int]:
+    def _cursor(self) -> tuple[int, int, int]:
         with self._lock:
-            return self._rows_pos, self._events_pos
+            return self._rows_pos, self._events_pos, self._output_pos
 
     def _drained(self) -> bool:
         return self._done.is_set()
@@ -347,6 +365,11 @@ class JobHandle:
                 new_events = [dict(e) for e in events]
                 self._events.extend(new_events)
                 self._events_pos = at + len(events)
+            output = update.get("output") or []
+            if output:
+                at = int(update.get("output_at", self._output_pos))
+                self._output.extend(dict(o) for o in output)
+                self._output_pos = at + len(output)
             if "status" in update:
                 self._status = dict(update["status"])
             ends = (int(update.get("rows_end", self._rows_pos)),

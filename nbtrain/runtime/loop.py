@@ -35,6 +35,7 @@ from nbtrain.runtime.events import EventEmitter
 from nbtrain.runtime.faults import FaultInjector
 from nbtrain.runtime.function import TrainFunction
 from nbtrain.runtime.launch import RankLaunch
+from nbtrain.runtime.output import OutputForwarder
 from nbtrain.runtime.recipe import Recipe
 from nbtrain.runtime.stepper import Stepper
 
@@ -77,15 +78,16 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
         driver = _Driver(ctx, stepper, ckpt, emitter, t0)
         ctx._driver = driver
         result: Any = None
-        if isinstance(work, TrainFunction):
-            try:
-                result = work.fn(ctx, dict(work.config))
-                outcome = stepper.outcome or "completed"
-            except LoopEnded as ended:
-                outcome = ended.outcome
-        else:
-            recipe = work
-            outcome = _recipe_loop(recipe, ctx, stepper, driver)
+        with OutputForwarder(emitter, lines_per_s=settings.log_lines_per_s):
+            if isinstance(work, TrainFunction):
+                try:
+                    result = work.fn(ctx, dict(work.config))
+                    outcome = stepper.outcome or "completed"
+                except LoopEnded as ended:
+                    outcome = ended.outcome
+            else:
+                recipe = work
+                outcome = _recipe_loop(recipe, ctx, stepper, driver)
         summary: dict[str, Any] = {"rank": launch.rank, "step": ctx.step, "outcome": outcome}
         if ckpt is not None and driver.started:
             plan = ckpt.plan
