@@ -16,6 +16,8 @@ from tests.conftest import wait_for
 from tests.recipes import (
     Regression,
     assert_params_equal,
+    make_model,
+    regression_data,
     regression_train,
     single_process_params,
 )
@@ -120,3 +122,26 @@ def test_rank_output_reaches_the_notebook_attributed_to_its_rank(
     out = io.StringIO()
     TextProgress(job, interval_s=0.1, out=out).join(30)
     assert "[rank 1 g0] hello from rank 1" in out.getvalue()
+
+
+def test_the_trained_model_comes_back_as_plain_state_dicts(free_cluster: nbtrain.Cluster,
+                                                            tmp_path: Path) -> None:
+    job = free_cluster.submit(regression_train, world_size=2, steps=STEPS, checkpoint=None)
+    assert job.wait(120) is JobState.SUCCEEDED, job.error
+    ckpt = nbtrain.load_checkpoint(job)
+    assert ckpt.step == STEPS and ckpt.metadata["job"]["name"] == job.name
+    assert not any(k.startswith("module.") for k in ckpt.state["model"])
+    fresh = make_model()
+    fresh.load_state_dict(ckpt.state["model"])
+    trained = make_model()
+    trained.load_state_dict(single_process_params(STEPS))
+    x = regression_data().tensors[0][:16]
+    torch.testing.assert_close(fresh(x), trained(x), rtol=0, atol=1e-6)
+    assert set(job.state_dict()) == {"model", "optimizer"}
+    path = nbtrain.export_checkpoint(job, tmp_path / "model.pt")
+    exported = torch.load(path, weights_only=True)
+    assert exported["step"] == STEPS
+    torch.testing.assert_close(exported["state"]["model"]["0.weight"],
+                               ckpt.state["model"]["0.weight"])
+    with pytest.raises(ValueError, match="no committed checkpoint of step 5"):
+        nbtrain.load_checkpoint(job, step=5)

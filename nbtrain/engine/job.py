@@ -270,6 +270,13 @@ class JobHandle:
 
         return committed_checkpoints(self._checkpoint_url)
 
+    def state_dict(self, step: int | str = "latest") -> dict[str, Any]:
+        """The job's tracked state from its newest (or ``step``'s) committed checkpoint, as
+        plain state dicts: ``model.load_state_dict(job.state_dict()["model"])``."""
+        from nbtrain.checkpoints import load_checkpoint
+
+        return load_checkpoint(self, step).state
+
     def wait(self, timeout: float | None = None) -> JobState:
         """Block until the job ends; return its final state. Raises TimeoutError."""
         self._follow()
