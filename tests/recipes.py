@@ -110,3 +110,19 @@ def regression_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> dict[s
     if config.get("out_dir"):
         torch.save(model.module.state_dict(), Path(config["out_dir"]) / f"rank{ctx.rank}.pt")
     return {"steps": ctx.step, "final_loss": float(loss.item())}
+
+
+def diverging_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> None:
+    """Regression whose loss turns NaN from step ``config["nan_from"]`` on (the state too)."""
+    model = ctx.prepare(make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ctx.track(model=model, optimizer=opt)
+    for x, y in ctx.batches(regression_data(), global_batch_size=32):
+        time.sleep(0.01)
+        loss = F.mse_loss(model(x), y)
+        if ctx.step + 1 >= config["nan_from"]:
+            loss = loss * float("nan")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ctx.report(loss=loss.item())

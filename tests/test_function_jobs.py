@@ -16,6 +16,7 @@ from tests.conftest import wait_for
 from tests.recipes import (
     Regression,
     assert_params_equal,
+    diverging_train,
     make_model,
     regression_data,
     regression_train,
@@ -145,3 +146,20 @@ def test_the_trained_model_comes_back_as_plain_state_dicts(free_cluster: nbtrain
                                ckpt.state["model"]["0.weight"])
     with pytest.raises(ValueError, match="no committed checkpoint of step 5"):
         nbtrain.load_checkpoint(job, step=5)
+
+
+def test_a_nan_loss_is_news_and_halt_keeps_the_last_good_checkpoint(
+        free_cluster: nbtrain.Cluster) -> None:
+    alerted = free_cluster.submit(diverging_train, world_size=2, steps=15,
+                                  config={"nan_from": 1}, checkpoint=None)
+    assert alerted.wait(120) is JobState.SUCCEEDED, alerted.error
+    [event] = [e for e in alerted.events if e["kind"] == "nonfinite"][:1]
+    assert event["step"] == 1 and event["value"] == "nan" and event["metric"] == "loss"
+    halted = free_cluster.submit(diverging_train, world_size=2, steps=10**6,
+                                 config={"nan_from": 11}, checkpoint=5, on_nonfinite="halt")
+    assert halted.wait(120) is JobState.FAILED
+    assert "halted at step" in halted.reason and "loss was nan at step 11" in halted.reason
+    assert "newest committed checkpoint is step 10" in halted.reason
+    assert halted.checkpoints[0]["step"] == 10  # nothing saved after the NaN
+    state = halted.state_dict()["model"]
+    assert all(torch.isfinite(v).all() for v in state.values())

@@ -51,6 +51,10 @@ class JobSpec:
     #: Automatic restarts allowed within ``restart_window_s`` before the job is FAILED.
     max_restarts: int = 3
     restart_window_s: float = 3600.0
+    #: A NaN or infinite reported metric: "alert" (say so at once) or "halt" (also stop the
+    #: job, checkpointing nothing from that step on, so the newest committed checkpoint is
+    #: the last good state).
+    on_nonfinite: str = "alert"
     extra: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -76,6 +80,9 @@ class JobSpec:
             )
         if self.restart_window_s <= 0:
             raise ValueError(f"restart_window_s must be > 0, got {self.restart_window_s!r}")
+        if self.on_nonfinite not in ("alert", "halt"):
+            raise ValueError(f"on_nonfinite must be 'alert' or 'halt', got "
+                             f"{self.on_nonfinite!r}")
 
     def progress(self, step: int) -> str:
         """``"52/100"``, or ``"52"`` when the training function decides the number of steps."""

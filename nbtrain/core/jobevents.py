@@ -20,10 +20,12 @@ __all__ = [
     "CONTROLLER_KINDS",
     "RANK_KINDS",
     "FaultEvent",
+    "NonFiniteEvent",
     "PreemptionEvent",
     "RecoveryEvent",
     "StateEvent",
     "fault_event",
+    "nonfinite_event",
     "preemption_event",
     "recovery_event",
     "state_event",
@@ -33,7 +35,8 @@ __all__ = [
 RANK_KINDS = ("steps", "rank_started", "checkpoint", "fault_injected", "rank_failed",
               "rank_finished", "log")
 #: Kinds the job machine emits.
-CONTROLLER_KINDS = ("state", "fault", "recovery", "preemption", "straggler", "mitigation")
+CONTROLLER_KINDS = ("state", "fault", "recovery", "preemption", "straggler", "mitigation",
+                    "nonfinite")
 
 
 class StateEvent(TypedDict):
@@ -86,6 +89,25 @@ class PreemptionEvent(TypedDict):
     step: int  # the step it resumes from
     forced: bool
     lost_steps: int
+
+
+class NonFiniteEvent(TypedDict):
+    """A rank reported a NaN or infinite metric (the first time in this generation)."""
+
+    kind: Literal["nonfinite"]
+    time: float
+    rank: int
+    step: int
+    metric: str
+    value: str  # "nan", "inf" or "-inf" (JSON has no such numbers)
+    generation: int
+    halting: bool
+
+
+def nonfinite_event(time: float, *, rank: int, step: int, metric: str, value: float,
+                    generation: int, halting: bool) -> NonFiniteEvent:
+    return {"kind": "nonfinite", "time": time, "rank": rank, "step": step, "metric": metric,
+            "value": str(value), "generation": generation, "halting": halting}
 
 
 def state_event(time: float, state: str, reason: str) -> StateEvent:

@@ -54,6 +54,7 @@ class Generation:
     running: bool = False  # a step row arrived
     released: bool = False  # failed ranks' workers restarted to free their peers
     forced: bool = False  # preemption grace ran out: ranks stopped without their checkpoint
+    nonfinite: set[str] = field(default_factory=set)  # metrics already reported non-finite
 
     def finished(self, world_size: int) -> bool:
         return len(self.outcomes) + len(self.failures) >= world_size
@@ -125,6 +126,7 @@ class LiveJob:
         self.stop_requested = False
         self.preempt: Preemption | None = None
         self.checkpoint_seq = 0
+        self.halt_reason = ""
 
     @property
     def id(self) -> str:

@@ -30,6 +30,7 @@ decisions into generations. What the machine adds is what the scheduler does not
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -37,7 +38,13 @@ from typing import Any
 from nbtrain.core.health import HostHealth
 from nbtrain.core.inventory import Inventory, WorkerInfo
 from nbtrain.core.job import JobState
-from nbtrain.core.jobevents import fault_event, preemption_event, recovery_event, state_event
+from nbtrain.core.jobevents import (
+    fault_event,
+    nonfinite_event,
+    preemption_event,
+    recovery_event,
+    state_event,
+)
 from nbtrain.core.jobrecord import Generation, JobStatus, LiveJob, Preemption, primary_failure
 from nbtrain.core.lifecycle_types import (
     Cancel,
@@ -65,6 +72,7 @@ from nbtrain.core.lifecycle_types import (
 )
 from nbtrain.core.mitigation import ActionKind, SlotInfo
 from nbtrain.core.placement import Placement
+from nbtrain.core.records import ROW_COLUMNS
 from nbtrain.core.sched_types import (
     Cancelled,
     Checkpointed,
@@ -94,6 +102,8 @@ __all__ = ["JobMachine", "SlotView"]
 
 #: One-line explanations of fault kinds, used in causes.
 _LOST = "worker died"
+#: Position of the metrics dict in a rank's step row.
+METRICS_AT = len(ROW_COLUMNS)
 
 
 class SlotView(dict[str, Any]):
@@ -430,6 +440,7 @@ class JobMachine:
 
     def _on_steps(self, job: LiveJob, gen: Generation, rank: int, rows: list[Any]) -> None:
         gen.last_progress = self.now
+        self._check_finite(job, gen, rank, rows)
         if rank == 0 and rows:
             for row in rows:
                 job.ledger.step(int(row[0]), float(row[2]))
@@ -450,6 +461,30 @@ class JobMachine:
                 self._set_state(job, JobState.RUNNING, f"training (generation {gen.number})")
         if rank == 0 and job.state is JobState.RUNNING:
             self._mitigate(job, gen)
+
+    def _check_finite(self, job: LiveJob, gen: Generation, rank: int,
+                      rows: list[Any]) -> None:
+        """A NaN or infinite metric is news at once; with ``on_nonfinite="halt"`` the job
+        stops without checkpointing the bad state."""
+        for row in rows:
+            metrics = row[METRICS_AT] if len(row) > METRICS_AT else None
+            if not isinstance(metrics, dict):
+                continue
+            for name, value in metrics.items():
+                if math.isfinite(value) or name in gen.nonfinite:
+                    continue
+                gen.nonfinite.add(name)
+                halting = job.spec.on_nonfinite == "halt" and not job.stop_requested
+                self._publish(job, nonfinite_event(
+                    self.wall, rank=rank, step=int(row[0]), metric=name, value=value,
+                    generation=gen.number, halting=halting))
+                if halting and gen.control.get("halt", 0) == 0:
+                    job.halt_reason = (f"{name} was {value} at step {int(row[0])} on rank "
+                                       f"{rank}")
+                    self._set_control(job, halt=1)
+                    self._set_state(job, JobState.STOPPING,
+                                    f"halting: {job.halt_reason}; stopping without a "
+                                    "checkpoint, so the newest one stays the last good state")
 
     def _mitigate(self, job: LiveJob, gen: Generation) -> None:
         assert self.sched is not None
@@ -603,6 +638,13 @@ class JobMachine:
                           Cancelled(self.now, job.id))
         elif "preempted" in outcomes and job.preempt is not None:
             self._preempted(job, gen, step)
+        elif "halted" in outcomes:
+            job.preempt = None
+            last = (f"the newest committed checkpoint is step {job.committed_step} "
+                    "(resubmit with resume='latest' to continue from it)"
+                    if job.committed_step else "no checkpoint was committed before it")
+            self._end_job(job, JobState.FAILED, f"halted at step {step}: {job.halt_reason}; "
+                                                f"{last}", Cancelled(self.now, job.id))
         elif outcomes == {"completed"}:
             self._end_job(job, JobState.SUCCEEDED, f"completed {step} steps",
                           Finished(self.now, job.id))

@@ -149,7 +149,8 @@ class Cluster:
                resume: str | None = None, max_restarts: int = 3,
                restart_window_s: float = 3600.0,
                faults: list[Fault] | None = None,
-               stragglers: str | MitigationSettings = "alert") -> JobHandle:
+               stragglers: str | MitigationSettings = "alert",
+               on_nonfinite: str = "alert") -> JobHandle:
         """Start a training job on ``world_size`` slots at once (gang), or queue it.
 
         ``recipe``: a training function ``train(ctx, config)`` with its own loop over
@@ -175,6 +176,9 @@ class Cluster:
         - ``stragglers``: mitigation policy, ``"alert"`` (report only) or ``"replace"``
           (restart the gang without a confirmed straggler's slot, with a cooldown), or a
           ``nbtrain.core.mitigation.MitigationSettings`` for cooldowns and exclusion scope.
+        - ``on_nonfinite``: a NaN or infinite reported metric raises an alert (``"alert"``),
+          or also stops the job with nothing checkpointed from that step on (``"halt"``:
+          the newest committed checkpoint stays the last good state; FAILED).
         """
         if self._closed:
             raise RuntimeError("this cluster is closed: call nbtrain.connect() again")
@@ -202,6 +206,7 @@ class Cluster:
                        world_size=world_size, steps=steps, queue=queue, seed=seed,
                        priority=priority, team=team, checkpoint=checkpoint, resume=resume,
                        max_restarts=max_restarts, restart_window_s=restart_window_s,
+                       on_nonfinite=on_nonfinite,
                        extra={"kind": "recipe" if is_recipe else "function"})
         parse_checkpoint_setting(spec.checkpoint)  # raises ValueError naming the fix
         payload = _pickle_recipe(work)

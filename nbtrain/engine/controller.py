@@ -336,7 +336,7 @@ class ClusterController(SchedulerPlugin):
                 seed=spec.seed, host_slots=per_host.get(hosts[rank], 1),
                 settings=assets.settings, checkpoint=plan,
                 faults=tuple(f for f in c.faults if f.rank == rank), job_info=spec.describe(),
-                control=dict(c.control))
+                control=dict(c.control), halt_on_nonfinite=spec.on_nonfinite == "halt")
             fut = client.submit(
                 run_rank_task, launch, key=f"nbtrain-{c.job_id}-g{c.generation}-r{rank}",
                 workers=[address], allow_other_workers=False, pure=False, retries=0)

@@ -51,3 +51,5 @@ class RankLaunch:
     faults: tuple[Fault, ...] = ()
     job_info: dict[str, Any] | None = None  # the job spec, recorded in checkpoint manifests
     control: Mapping[str, int] = field(default_factory=dict)  # requests standing at launch
+    #: Take no checkpoint once a reported metric was NaN or infinite (on_nonfinite="halt").
+    halt_on_nonfinite: bool = False

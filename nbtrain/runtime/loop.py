@@ -74,7 +74,8 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
                           checkpointing=ckpt,
                           injector=FaultInjector(launch.job_id, launch.rank,
                                                  list(launch.faults)),
-                          interval_s=settings.control_interval_s)
+                          interval_s=settings.control_interval_s,
+                          halt_on_nonfinite=launch.halt_on_nonfinite)
         driver = _Driver(ctx, stepper, ckpt, emitter, t0)
         ctx._driver = driver
         result: Any = None
@@ -91,7 +92,8 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
         summary: dict[str, Any] = {"rank": launch.rank, "step": ctx.step, "outcome": outcome}
         if ckpt is not None and driver.started:
             plan = ckpt.plan
-            if outcome == "preempted" or (plan.policy.on_stop and outcome != "halted"):
+            if outcome == "preempted" or (plan.policy.on_stop and outcome != "halted"
+                                          and not stepper.tainted):
                 ckpt.save(ctx.step)
             final = ckpt.finish(timeout=plan.commit_timeout_s)
             summary["checkpoint_step"] = final.step if final else None

@@ -17,6 +17,7 @@ step's row. The loop ends when ``begin()`` says the step budget is spent ("compl
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -37,7 +38,8 @@ class Stepper:
 
     def __init__(self, *, timer: PhaseTimer, steps: int | None, control: ControlChannel,
                  emitter: EventEmitter, checkpointing: RankCheckpointing | None,
-                 injector: FaultInjector, interval_s: float) -> None:
+                 injector: FaultInjector, interval_s: float,
+                 halt_on_nonfinite: bool = False) -> None:
         self.timer = timer
         self.steps = steps
         self.control = control
@@ -53,6 +55,10 @@ class Stepper:
         self._last_compute = 0.0
         self._checkpoint_seq = 0
         self._t0 = self._t1 = 0.0
+        self.halt_on_nonfinite = halt_on_nonfinite
+        #: A reported metric was NaN/inf: under halt_on_nonfinite nothing is saved from then
+        #: on (the controller's halt arrives at the next agreement, a few steps later).
+        self.tainted = False
 
     def start(self, step: int) -> None:
         """The loop starts at ``step`` (0, or the restored checkpoint's step)."""
@@ -104,7 +110,9 @@ class Stepper:
                 self._checkpoint_seq = requests["checkpoint"]
         ending = requests is not None and bool(
             requests["stop"] or requests["preempt"] or requests["halt"])
-        if want_checkpoint and ckpt is not None and not ending:
+        if self.halt_on_nonfinite and metrics and not self.tainted:
+            self.tainted = not all(math.isfinite(float(v)) for v in metrics.values())
+        if want_checkpoint and ckpt is not None and not ending and not self.tainted:
             ckpt.save(step)
         t3 = perf()
         step_s = t3 - self._t0

@@ -176,6 +176,12 @@ class EventLog:
                      f"fault: {ev.get('what', '?')} rank {ev.get('rank', '?')}{host} at step "
                      f"{ev.get('step', '?')}{detect}")
 
+    def _on_nonfinite(self, ev: dict[str, Any], when: float | None) -> Alert:
+        then = "; halting the job" if ev.get("halting") else ""
+        return Alert(when, "error", "nonfinite",
+                     f"rank {ev.get('rank', '?')} reported {ev.get('metric', '?')} = "
+                     f"{ev.get('value', '?')} at step {ev.get('step', '?')}{then}")
+
     def _on_fault_injected(self, ev: dict[str, Any], when: float | None) -> Alert:
         raw = ev.get("fault")
         fault: dict[str, Any] = raw if isinstance(raw, dict) else {}
