@@ -50,7 +50,7 @@ def load_function(target: str) -> Callable[..., Any]:
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ValueError(f"{where} has no function {name!r}")
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def parse_config(items: Sequence[str]) -> dict[str, Any]:
