@@ -16,7 +16,7 @@ import os
 import secrets
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import cloudpickle
@@ -35,7 +35,8 @@ from nbtrain.engine.embedded import EmbeddedCluster
 from nbtrain.engine.job import JobHandle
 from nbtrain.engine.remote import Follower, Remote
 from nbtrain.engine.tokens import TokenStore
-from nbtrain.engine.wire import submission_to_wire
+from nbtrain.engine.trackers import TrackerSpec, parse_trackers
+from nbtrain.engine.wire import plain, submission_to_wire
 from nbtrain.engine.workers import NbtrainWorker
 from nbtrain.runtime.function import TrainFunction
 
@@ -150,7 +151,8 @@ class Cluster:
                restart_window_s: float = 3600.0,
                faults: list[Fault] | None = None,
                stragglers: str | MitigationSettings = "alert",
-               on_nonfinite: str = "alert") -> JobHandle:
+               on_nonfinite: str = "alert",
+               trackers: Sequence[str | TrackerSpec] | None = None) -> JobHandle:
         """Start a training job on ``world_size`` slots at once (gang), or queue it.
 
         ``recipe``: a training function ``train(ctx, config)`` with its own loop over
@@ -179,6 +181,9 @@ class Cluster:
         - ``on_nonfinite``: a NaN or infinite reported metric raises an alert (``"alert"``),
           or also stops the job with nothing checkpointed from that step on (``"halt"``:
           the newest committed checkpoint stays the last good state; FAILED).
+        - ``trackers``: ``"tensorboard:LOGDIR"``, ``"mlflow:TRACKING_URI"`` (e.g.
+          ``mlflow:file:///home/me/mlruns``): the controller writes every step's metrics
+          and phase times, checkpoints and faults there (it must reach the target).
         """
         if self._closed:
             raise RuntimeError("this cluster is closed: call nbtrain.connect() again")
@@ -229,10 +234,12 @@ class Cluster:
                              peer_release_s=s.peer_release_s,
                              failure_grace_s=s.failure_grace_s),
             resume_step=resume_step)
+        tracked = [plain(t) for t in parse_trackers(trackers)]
         reply = self._remote.call(
             "nbtrain_submit", job=submission_to_wire(sub), recipe=payload,
             settings=s.to_dict(), checkpoint_url=url,
-            restore=list(restore) if restore else None, token=self._remote.operator_token)
+            restore=list(restore) if restore else None, token=self._remote.operator_token,
+            trackers=tracked or None)
         token = str(reply["token"])
         self._tokens.put(self.address, job_id, token)
         handle = JobHandle(spec, self, token=token, checkpoint_url=url, status=reply["status"])

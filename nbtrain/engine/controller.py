@@ -61,6 +61,7 @@ from nbtrain.core.lifecycle_types import (
 from nbtrain.core.sched_types import SchedulerConfig
 from nbtrain.engine.joblog import JobLog, Tail
 from nbtrain.engine.tasks import run_rank_task
+from nbtrain.engine.trackers import TrackerSink
 from nbtrain.runtime.events import RANK_TOPIC
 from nbtrain.runtime.launch import CheckpointPlan, RankLaunch
 
@@ -93,6 +94,7 @@ class JobAssets:
     last_ended: int = -1  # the newest generation that has ended
     result: bytes | None = None  # a training function's return value on rank 0, pickled
     result_error: str | None = None
+    trackers: TrackerSink | None = None  # TensorBoard / MLflow, fed from here
 
 
 class ClusterController(SchedulerPlugin):
@@ -131,6 +133,7 @@ class ClusterController(SchedulerPlugin):
         self._pending_workers: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
+        self._loop = asyncio.get_running_loop()
         self.decision_s: deque[float] = deque(maxlen=10_000)
         self._client: Client | None = None
         self._client_ready = asyncio.Event()
@@ -200,6 +203,9 @@ class ClusterController(SchedulerPlugin):
                 self.cluster_log.extend([dict(c.event)])
             elif c.job_id in self.assets:
                 self.assets[c.job_id].log.add_event(c.event)
+                sink = self.assets[c.job_id].trackers
+                if sink is not None:
+                    sink.event(c.event)
                 if c.event.get("kind") == "state" and c.event.get("state") in (
                         "SUCCEEDED", "FAILED", "CANCELLED"):
                     self._job_ended(c.job_id)
@@ -238,6 +244,10 @@ class ClusterController(SchedulerPlugin):
     def _wake_control(self) -> None:
         news, self._control_news = self._control_news, asyncio.Event()
         news.set()
+
+    def publish_from_thread(self, job_id: str, event: dict[str, Any]) -> None:
+        """Add an event to a job's log from another thread (a tracker reporting trouble)."""
+        self._loop.call_soon_threadsafe(self._do, Publish(job_id, event))
 
     def wake_rendezvous(self) -> None:
         news, self._rdzv_news = self._rdzv_news, asyncio.Event()
@@ -432,6 +442,9 @@ class ClusterController(SchedulerPlugin):
             return
         if kind == "steps":
             assets.log.add_rows(int(msg["gen"]), int(msg["rank"]), msg["rows"])
+            if assets.trackers is not None:
+                gen, rank = int(msg["gen"]), int(msg["rank"])
+                assets.trackers.rows([(gen, rank, *row) for row in msg["rows"]])
         now, wall = self.now()
         self.feed(RankMessage(now, wall, job_id, msg))
         self.wake()

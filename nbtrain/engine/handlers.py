@@ -75,7 +75,8 @@ def _replying(fn: Callable[..., Awaitable[dict[str, Any]]]
 # ====================================================================== clients
 async def submit(ctl: ClusterController, *, job: Mapping[str, Any], recipe: bytes,
                  settings: Mapping[str, Any], checkpoint_url: str,
-                 restore: list[Any] | None = None, token: str = "") -> dict[str, Any]:
+                 restore: list[Any] | None = None, token: str = "",
+                 trackers: list[Mapping[str, Any]] | None = None) -> dict[str, Any]:
     from nbtrain.engine.controller import JobAssets, token_hash
 
     sub = submission_from_wire(job)
@@ -97,11 +98,21 @@ async def submit(ctl: ClusterController, *, job: Mapping[str, Any], recipe: byte
         restore=(str(restore[0]), None if restore[1] is None else int(restore[1]))
         if restore else None,
         token_hash=token_hash(job_token), log=JobLog(rows_kept=ctl.settings.rows_kept))
+    if trackers:
+        from nbtrain.engine.trackers import TrackerSink, TrackerSpec
+
+        specs = [TrackerSpec(**dict(t)) for t in trackers]
+        ctl.assets[spec.job_id].trackers = TrackerSink(
+            specs, run=f"{spec.name}-{spec.job_id}", params=spec.describe(),
+            on_error=lambda message, jid=spec.job_id: ctl.publish_from_thread(
+                jid, {"kind": "tracker", "error": message}))
     now, wall = ctl.now()
     commands = ctl.feed(Submitted(now, wall, sub))
     rejected = [c for c in commands if isinstance(c, Rejected) and c.job_id == spec.job_id]
     if rejected:
-        ctl.assets.pop(spec.job_id, None)
+        held = ctl.assets.pop(spec.job_id, None)
+        if held is not None and held.trackers is not None:
+            held.trackers.event({"kind": "state", "state": "CANCELLED"})
         raise ValueError(rejected[0].reason)
     return {"job_id": spec.job_id, "token": job_token, "status": ctl.machine.status(
         spec.job_id).to_dict()}

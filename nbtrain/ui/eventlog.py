@@ -176,6 +176,9 @@ class EventLog:
                      f"fault: {ev.get('what', '?')} rank {ev.get('rank', '?')}{host} at step "
                      f"{ev.get('step', '?')}{detect}")
 
+    def _on_tracker(self, ev: dict[str, Any], when: float | None) -> Alert:
+        return Alert(when, "warn", "tracker", f"tracker: {ev.get('error', '?')}")
+
     def _on_nonfinite(self, ev: dict[str, Any], when: float | None) -> Alert:
         then = "; halting the job" if ev.get("halting") else ""
         return Alert(when, "error", "nonfinite",
