@@ -14,6 +14,7 @@ import html
 import logging
 import os
 import secrets
+import time
 import uuid
 import weakref
 from collections.abc import Mapping, Sequence
@@ -83,6 +84,22 @@ class Cluster:
         state, job), ``jobs`` (statuses), ``queue`` (job ids in order), ``team_usage``
         (slot-seconds per team), ``log`` (recent cluster events: workers, restarts)."""
         return dict(self._remote.call("nbtrain_cluster"))
+
+    def _wait_for_slots(self, expected: int, timeout: float = 120.0) -> None:
+        """Until the controller has taken in the workers Dask knows of (it reads each
+        joining worker's labels first), and at least ``expected`` slots are up."""
+        deadline = time.monotonic() + timeout
+        while True:
+            snap = self.snapshot()
+            online = sum(1 for s in snap["slots"] if s["state"] in ("free", "held"))
+            if not snap.get("pending_workers") and online >= expected:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"nbtrain's controller has {online} slots after {timeout:.0f} s "
+                    f"({snap.get('pending_workers')} workers still joining, {expected} "
+                    f"expected); see cluster.snapshot()['log'] for workers it refused")
+            time.sleep(0.02)
 
     @property
     def slots(self) -> list[str]:
@@ -348,8 +365,10 @@ def connect(address: str | Client | None = None, *, n_workers: int | None = None
     client.register_plugin(NbtrainWorker(quiet=settings.quiet_workers))
     if local is not None:
         client.wait_for_workers(len(local.workers), timeout=120)
-    return Cluster(client, local=local, owns_client=owns, settings=settings,
-                   operator_token=token)
+    cluster = Cluster(client, local=local, owns_client=owns, settings=settings,
+                      operator_token=token)
+    cluster._wait_for_slots(len(local.workers) if local is not None else 0)
+    return cluster
 
 
 def _whoami() -> str:

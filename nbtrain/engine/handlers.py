@@ -215,6 +215,7 @@ async def cluster(ctl: ClusterController, *, log_from: int = 0) -> dict[str, Any
     queue = [] if ctl.machine.sched is None else ctl.machine.sched.queued()
     at, log = ctl.cluster_log.since(log_from, 1_000)
     return {"slots": [dict(s) for s in ctl.machine.slots()], "queue": queue,
+            "pending_workers": len(ctl._pending_workers),
             "jobs": (await jobs(ctl))["jobs"], "team_usage": ctl.machine.team_usage(),
             "log_at": at, "log": log, "decision_ms": _decision_ms(ctl)}
 
