@@ -47,6 +47,7 @@ __all__ = [
     "parse_nvidia_smi_query",
     "parse_topo_matrix",
     "visible_gpu",
+    "worker_gpu_labels",
 ]
 
 #: ``nvmlNvLinkDeviceType``: what the far end of a link is.
@@ -377,3 +378,28 @@ def describe(host: HostGpus, labels: Mapping[str, str] | None = None) -> Iterabl
     for g in sorted(host.gpus, key=lambda g: g.index):
         yield (f"GPU{g.index} {g.uuid} {g.pci_bus_id}: {labels.get(g.uuid, '?')} "
                f"({g.nvlinks} NVLinks, {g.nvswitch_links} to NVSwitches)")
+
+
+def worker_gpu_labels(host: HostGpus | None, cuda_visible_devices: str | None,
+                      declared_nvlink: str = "") -> dict[str, str]:
+    """The labels a worker reports for the GPU it runs on (empty for a CPU worker).
+
+    ``gpu`` (its UUID: the slot's identity, and what makes it a GPU slot), ``pci_bus_id``,
+    ``gpu_name``, ``nvlink`` (the discovered domain, unless ``declared_nvlink``, the
+    worker's ``NBTRAIN_WORKER_NVLINK``, overrides it) and ``nvlink_source`` (``declared``,
+    ``nvml``, ``nvml-fabric``, ``nvidia-smi`` or ``nvidia-smi-fabric``). A
+    ``CUDA_VISIBLE_DEVICES`` that names no usable GPU gives ``gpu_note`` instead.
+    """
+    if host is None or not host.gpus:
+        return {}
+    try:
+        gpu = visible_gpu(cuda_visible_devices, host.gpus)
+    except ValueError as exc:
+        return {"gpu_note": str(exc)}
+    if gpu is None:
+        return {}
+    label = nvlink_domains(host)[gpu.uuid]
+    source = host.source + ("-fabric" if label.startswith("clique:") else "")
+    return {"gpu": gpu.uuid, "pci_bus_id": gpu.pci_bus_id, "gpu_name": gpu.name,
+            "nvlink": declared_nvlink or label,
+            "nvlink_source": "declared" if declared_nvlink else source}

@@ -16,6 +16,7 @@ import os
 import secrets
 import uuid
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import cloudpickle
@@ -31,6 +32,7 @@ from nbtrain.core.mitigation import MitigationSettings, make_policy
 from nbtrain.engine.checkpoints import job_url, resolve_resume
 from nbtrain.engine.controller import ClusterController
 from nbtrain.engine.embedded import EmbeddedCluster
+from nbtrain.engine.gpus import embedded_gpus
 from nbtrain.engine.job import JobHandle
 from nbtrain.engine.remote import Follower, Remote
 from nbtrain.engine.tokens import TokenStore
@@ -270,12 +272,15 @@ class Cluster:
 
 def connect(address: str | Client | None = None, *, n_workers: int | None = None,
             settings: Settings | None = None, operator_token: str | None = None,
-            security: Any = None, **cluster_kwargs: Any) -> Cluster:
+            security: Any = None, gpus: bool | Sequence[str] | None = None,
+            **cluster_kwargs: Any) -> Cluster:
     """Connect to a cluster of slots, starting nbtrain's controller there if needed.
 
     - ``connect()``: start an embedded ``LocalCluster`` on this machine's loopback interface
       (worker processes, one thread each, ``n_workers`` slots; by default one per core, 2 to
-      8), shut down with this process. This client is its operator.
+      8), shut down with this process. This client is its operator. On a machine with GPUs
+      there is one worker per visible GPU instead, each seeing only its own GPU
+      (``gpus=False``: CPU workers; ``gpus=["0", "2"]``: those GPUs).
     - ``connect("tcp://host:8786")``: an existing Dask scheduler (``"tls://..."`` with
       ``security=`` a ``distributed.Security``; an embedded cluster takes it too).
     - ``connect(client)``: an existing ``distributed.Client`` (left open on close), e.g. of a
@@ -295,7 +300,8 @@ def connect(address: str | Client | None = None, *, n_workers: int | None = None
     elif address is not None:
         raise TypeError(f"address must be a scheduler address, a Client or None, got {address!r}")
     else:
-        n = default_worker_count() if n_workers is None else n_workers
+        gpu_ids = embedded_gpus(gpus, n_workers)
+        n = len(gpu_ids) or (default_worker_count() if n_workers is None else n_workers)
         if n < 1:
             raise ValueError(f"n_workers must be >= 1, got {n}")
         token = token or secrets.token_hex(16)  # the embedded cluster's owner is its operator
@@ -306,13 +312,16 @@ def connect(address: str | Client | None = None, *, n_workers: int | None = None
             kwargs["security"] = security
         kwargs.update(cluster_kwargs)
         with dask.config.set(config):
-            local = EmbeddedCluster(n_workers=n, threads_per_worker=1, processes=True, **kwargs)
+            local = EmbeddedCluster(n_workers=0 if gpu_ids else n, gpus=gpu_ids,
+                                    threads_per_worker=1, processes=True, **kwargs)
+            if gpu_ids:
+                local.scale(n)  # one worker per GPU (EmbeddedCluster.new_worker_spec)
             client = Client(local, set_as_default=False)
         owns = True
     client.register_plugin(ClusterController(settings.replace(operator_token=token)))
     client.register_plugin(NbtrainWorker(quiet=settings.quiet_workers))
     if local is not None:
-        client.wait_for_workers(len(local.workers), timeout=120)
+        client.wait_for_workers(len(local.worker_spec), timeout=120)
     return Cluster(client, local=local, owns_client=owns, settings=settings,
                    operator_token=token)
 

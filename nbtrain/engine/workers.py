@@ -30,12 +30,17 @@ QUIET_MEMORY_MONITOR_MS = 1000
 
 def worker_labels() -> dict[str, str]:
     """Runs on a worker: its declared labels (``NBTRAIN_WORKER_HOST`` etc., or the Dask config
-    keys ``nbtrain.worker-host``...) and the nbtrain version it has."""
+    keys ``nbtrain.worker-host``...), the nbtrain version it has, and on a GPU worker its GPU
+    and discovered NVLink domain (``nbtrain.core.gpu_topology.worker_gpu_labels``; a declared
+    ``NBTRAIN_WORKER_NVLINK`` wins)."""
     import nbtrain
+    from nbtrain.engine.gpus import gpu_labels
 
     s = Settings.load()
-    return {"host": s.worker_host, "nvlink": s.worker_nvlink, "leaf": s.worker_leaf,
-            "nbtrain": nbtrain.__version__}
+    labels = {"host": s.worker_host, "nvlink": s.worker_nvlink, "leaf": s.worker_leaf,
+              "nbtrain": nbtrain.__version__}
+    labels.update(gpu_labels(s))
+    return labels
 
 
 def _warm_up() -> None:
