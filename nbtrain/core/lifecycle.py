@@ -65,6 +65,7 @@ from nbtrain.core.lifecycle_types import (
 )
 from nbtrain.core.mitigation import ActionKind, SlotInfo
 from nbtrain.core.placement import Placement
+from nbtrain.core.pools import CPU, GPU, DevicePools
 from nbtrain.core.sched_types import (
     Cancelled,
     Checkpointed,
@@ -86,9 +87,7 @@ from nbtrain.core.sched_types import (
 )
 from nbtrain.core.sched_types import Event as SchedEvent
 from nbtrain.core.sched_types import Tick as SchedTick
-from nbtrain.core.scheduler import Scheduler
 from nbtrain.core.stragglerwatch import mitigation_event
-from nbtrain.core.topology import Topology
 
 __all__ = ["JobMachine", "SlotView"]
 
@@ -98,7 +97,8 @@ _LOST = "worker died"
 
 class SlotView(dict[str, Any]):
     """A slot for display: ``slot``, ``host``, ``nvlink``, ``leaf``, ``address`` (None while
-    offline), ``state`` (free / held / restarting / offline) and ``job`` (the holder's id)."""
+    offline), ``state`` (free / held / restarting / offline), ``job`` (the holder's id),
+    ``device`` (``gpu`` or ``cpu``) and ``gpu`` (its GPU's UUID, "" for a CPU slot)."""
 
 
 class JobMachine:
@@ -108,7 +108,7 @@ class JobMachine:
                  scheduler: SchedulerConfig | None = None) -> None:
         self.config = config or MachineConfig()
         self.sched_config = replace(scheduler or SchedulerConfig(), can_grow=True)
-        self.sched: Scheduler | None = None  # made when the first worker joins
+        self.sched: DevicePools | None = None  # made when the first worker joins
         self.inventory = Inventory()
         self.health = HostHealth(self.config.host_failure_limit,
                                  self.config.host_failure_window_s, self.config.host_exclusion_s)
@@ -170,7 +170,7 @@ class JobMachine:
         """Every slot the cluster has had, with its state and holder."""
         owners: dict[Hashable, str | None] = {}
         if self.sched is not None:
-            owners = dict(zip(self.sched.topo.slot_ids, self.sched.owners(), strict=True))
+            owners = self.sched.owner_map()
         out = []
         for rec in self.inventory.records():
             holder = owners.get(rec.slot)
@@ -181,7 +181,8 @@ class JobMachine:
             else:
                 state = "held" if holder is not None else "free"
             out.append(SlotView(slot=rec.slot, host=rec.host, nvlink=rec.nvlink or rec.host,
-                                leaf=rec.leaf, address=rec.address, state=state, job=holder))
+                                leaf=rec.leaf, address=rec.address, state=state, job=holder,
+                                device=GPU if rec.gpu else CPU, gpu=rec.gpu))
         return out
 
     def team_usage(self) -> dict[str, float]:
@@ -216,16 +217,38 @@ class JobMachine:
             return
         if not spec.queue and job.gen is None:
             assert self.sched is not None
-            free, online = self.sched.n_free, self.sched.n_online
+            kind = self.sched.kind_of(job.id)
+            free, online = self.sched.free_of(kind), self.sched.online_of(kind)
             self._sched(Cancelled(self.now, job.id))
             self._reject(job, free, online)
 
     def _reject(self, job: LiveJob, free: int, online: int) -> None:
         del self._jobs[job.id]
+        unit = self._unit(self.sched.kind_of(job.id) if self.sched is not None else "")
         self._out.append(Rejected(job.id, (
-            f"job {job.name} needs {job.spec.world_size} slots at once but only {free} of the "
+            f"job {job.name} needs {job.spec.world_size} {unit} at once but only {free} of the "
             f"cluster's {online} are free (queue=False, so it is not queued): free slots, add "
             "workers, or submit with queue=True")))
+
+    def _job_kind(self, job_id: str) -> str:
+        """The device kind a job needs: its ``device``, or for ``auto`` GPU slots when the
+        cluster has any (asked once, when the job enters the gang scheduler)."""
+        device = self._jobs[job_id].spec.device
+        if device != "auto":
+            return device
+        return GPU if any(r.gpu for r in self.inventory.records()) else CPU
+
+    def _kind_of(self, job: LiveJob) -> str:
+        return self.sched.kind_of(job.id) if self.sched is not None else ""
+
+    def _slot_kind(self, slot: Hashable) -> str:
+        return GPU if self.inventory.record(str(slot)).gpu else CPU
+
+    def _unit(self, kind: str) -> str:
+        """"slots" on a cluster of one kind; "GPU slots" / "CPU slots" where kinds mix or the
+        job's kind has no slot yet."""
+        kinds = self.sched.kinds() if self.sched is not None else []
+        return "slots" if not kind or kinds == [kind] else f"{kind.upper()} slots"
 
     # ================================================================== the gang scheduler
     def _sched(self, event: SchedEvent) -> None:
@@ -277,37 +300,41 @@ class JobMachine:
         self._set_state(job, JobState.STARTING, f"generation {number}: {what}, "
                                                 f"{len(slots)} ranks")
         self._out.append(Launch(job.id, number, addresses, job.unfired_faults(),
-                                dict(gen.control)))
+                                dict(gen.control), device=self._kind_of(job)))
 
     def _explain_queue(self) -> None:
-        """Say why each queued job waits: the head of the queue needs more free slots than
-        there are; the others wait behind it."""
+        """Say why each queued job waits: the head of its kind's queue needs more free slots
+        than there are; the others wait behind it."""
         self._queue_dirty = False
         if self.sched is None:
             return
-        free, online = self.sched.n_free, self.sched.n_online
-        restarting = len(self._restarting)
-        offline = len(self.inventory.records()) - online - restarting
-        away = ", ".join(f"{n} {what}" for n, what in ((restarting, "restarting"),
-                                                     (offline, "offline")) if n)
-        away = f" ({away})" if away else ""
-        head_name, head_why = "", ""
+        heads: dict[str, tuple[str, str]] = {}  # device kind -> (head's name, why)
         for job_id in self.sched.queued():
             job = self._jobs.get(job_id)
             if job is None or job.state is not JobState.QUEUED:
                 continue
             need = job.spec.world_size
+            kind = self.sched.kind_of(job_id)
+            head_name, head_why = heads.get(kind, ("", ""))
             if not head_name:
+                free, online = self.sched.free_of(kind), self.sched.online_of(kind)
+                restarting = sum(1 for s in self._restarting if self._slot_kind(s) == kind)
+                offline = sum(1 for r in self.inventory.records()
+                              if self._slot_kind(r.slot) == kind) - online - restarting
+                away = ", ".join(f"{n} {what}" for n, what in ((restarting, "restarting"),
+                                                             (offline, "offline")) if n)
+                away = f" ({away})" if away else ""
+                unit = self._unit(kind)
                 if need > online:
-                    why = (f"needs {need} slots at once; the cluster has {online}{away}: "
+                    why = (f"needs {need} {unit} at once; the cluster has {online}{away}: "
                            "waiting for workers to join")
                 else:
-                    why = f"needs {need} slots at once; {free} of {online} free{away}"
+                    why = f"needs {need} {unit} at once; {free} of {online} free{away}"
                     releasing = [j.name for j in self._jobs.values()
                                  if j.preempt is not None and j.preempt.for_job == job.id]
                     if releasing:
                         why += f"; preempted {', '.join(releasing)} releasing its slots"
-                head_name, head_why = job.name, why
+                heads[kind] = (job.name, why)
             else:
                 why = f"waiting behind job {head_name} ({head_why})"
             reason = f"{job.queue_note}: {why}" if job.queue_note else why
@@ -315,28 +342,36 @@ class JobMachine:
 
     # ================================================================== workers
     def _on_worker_joined(self, ev: WorkerJoined) -> None:
+        sharing = next((r for r in self.inventory.records()
+                        if ev.gpu and r.gpu == ev.gpu and r.address is not None), None)
+        if sharing is not None and sharing.address != ev.address:
+            # Two workers on one GPU: ranks on both would share it by accident.
+            self._publish_cluster({
+                "kind": "worker", "what": "refused", "address": ev.address, "host": ev.host,
+                "reason": f"it runs on GPU {ev.gpu}, which worker {sharing.address} (slot "
+                          f"{sharing.slot}) already uses: start one worker per GPU, each "
+                          "with its own CUDA_VISIBLE_DEVICES (dask cuda worker does)"})
+            return
         rec = self.inventory.join(WorkerInfo(address=ev.address, host=ev.host, name=ev.name,
-                                             nvlink=ev.nvlink, leaf=ev.leaf))
+                                             nvlink=ev.nvlink, leaf=ev.leaf, gpu=ev.gpu))
         self._restarting.pop(rec.slot, None)
         self._publish_cluster({"kind": "worker", "what": "joined", "slot": rec.slot,
                                "address": ev.address, "host": rec.host})
+        first = self.sched is None
         if self.sched is None:
-            nvlink_of, leaf_of = self.inventory.labels()
-            topo = Topology.from_hosts(self.inventory.hosts(), leaf_of=leaf_of,
-                                       nvlink_of=nvlink_of)
-            self.sched = Scheduler(topo, self.sched_config)
-            self._queue_dirty = True
-            pending, self._pending = self._pending, []
-            for job_id in pending:
-                job = self._jobs.get(job_id)
-                if job is not None and job.state is JobState.QUEUED:
-                    self._admit(job)
-            return
+            self.sched = DevicePools(self.sched_config, slot_kind=self._slot_kind,
+                                     job_kind=self._job_kind)
         self._offline.discard(rec.slot)
         nvlink: dict[Hashable, str] = {rec.slot: rec.nvlink} if rec.nvlink else {}
         leaf = {rec.host: rec.leaf} if rec.leaf else {}
         self._sched(WorkersAdded(self.now, {rec.host: (rec.slot,)}, nvlink_of=nvlink,
                                  leaf_of=leaf))
+        if first:
+            pending, self._pending = self._pending, []
+            for job_id in pending:
+                job = self._jobs.get(job_id)
+                if job is not None and job.state is JobState.QUEUED:
+                    self._admit(job)
 
     def _on_worker_left(self, address: str) -> None:
         rec = self.inventory.leave(address)
@@ -451,7 +486,7 @@ class JobMachine:
         assert self.sched is not None
         placement = {r: SlotInfo(s, self.inventory.host_of(s)) for r, s in enumerate(gen.slots)}
         spares = [SlotInfo(str(s), self.inventory.host_of(str(s)))
-                  for s in self.sched.free_slot_ids()]
+                  for s in self.sched.free_slot_ids(self._kind_of(job))]
         for action in job.stragglers.decide(self.now, job.step, placement, spares):
             event = mitigation_event(action)
             event["time"] = self.wall

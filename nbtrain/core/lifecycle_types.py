@@ -146,6 +146,7 @@ class WorkerJoined:
     name: str = ""
     nvlink: str = ""
     leaf: str = ""
+    gpu: str = ""  # the UUID of the worker's GPU; "" = a CPU worker
 
 
 @dataclass(frozen=True)
@@ -180,13 +181,15 @@ Event = (Submitted | Request | RankMessage | RankExit | WorkerJoined | WorkerLef
 @dataclass(frozen=True)
 class Launch:
     """Start ``generation``: rank ``r`` on worker ``addresses[r]``. ``faults``: planned
-    faults not fired yet; ``control``: requests already standing (e.g. a checkpoint)."""
+    faults not fired yet; ``control``: requests already standing (e.g. a checkpoint);
+    ``device``: the slots' kind, ``gpu`` or ``cpu`` ("" = whatever the worker has)."""
 
     job_id: str
     generation: int
     addresses: tuple[str, ...]
     faults: tuple[Fault, ...]
     control: Mapping[str, int]
+    device: str = ""
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,8 @@ class Cluster:
                resume: str | None = None, max_restarts: int = 3,
                restart_window_s: float = 3600.0,
                faults: list[Fault] | None = None,
-               stragglers: str | MitigationSettings = "alert") -> JobHandle:
+               stragglers: str | MitigationSettings = "alert",
+               device: str = "auto") -> JobHandle:
         """Start ``recipe`` on ``world_size`` slots at once (gang), or queue it.
 
         Returns a :class:`JobHandle` immediately; training runs in the background, in the
@@ -168,6 +169,8 @@ class Cluster:
         - ``stragglers``: mitigation policy, ``"alert"`` (report only) or ``"replace"``
           (restart the gang without a confirmed straggler's slot, with a cooldown), or a
           ``nbtrain.core.mitigation.MitigationSettings`` for cooldowns and exclusion scope.
+        - ``device``: ``"gpu"`` (GPU slots only; NCCL), ``"cpu"`` (CPU slots only; gloo) or
+          ``"auto"`` (GPU slots if the cluster has any, else CPU slots).
         """
         if self._closed:
             raise RuntimeError("this cluster is closed: call nbtrain.connect() again")
@@ -181,7 +184,8 @@ class Cluster:
         spec = JobSpec(job_id=job_id, name=name or f"{type(recipe).__name__}-{job_id[:4]}",
                        world_size=world_size, steps=steps, queue=queue, seed=seed,
                        priority=priority, team=team, checkpoint=checkpoint, resume=resume,
-                       max_restarts=max_restarts, restart_window_s=restart_window_s)
+                       max_restarts=max_restarts, restart_window_s=restart_window_s,
+                       device=device)
         parse_checkpoint_setting(spec.checkpoint)  # raises ValueError naming the fix
         payload = _pickle_recipe(recipe)
         mitigation = (stragglers if isinstance(stragglers, MitigationSettings)

@@ -127,6 +127,7 @@ class ClusterController(SchedulerPlugin):
         self._control_news = asyncio.Event()
         self._rdzv_news = asyncio.Event()
         self._pending_workers: set[str] = set()
+        self.worker_labels: dict[str, dict[str, str]] = {}  # address -> what it reported
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
         self.decision_s: deque[float] = deque(maxlen=10_000)
@@ -264,6 +265,7 @@ class ClusterController(SchedulerPlugin):
 
     def remove_worker(self, scheduler: Any, worker: str, *, stimulus_id: str = "",
                       **kwargs: Any) -> None:
+        self.worker_labels.pop(worker, None)
         if worker in self._pending_workers:
             self._pending_workers.discard(worker)
             return
@@ -294,9 +296,10 @@ class ClusterController(SchedulerPlugin):
             self.wake()
             return
         now, wall = self.now()
+        self.worker_labels[address] = {str(k): str(v) for k, v in labels.items()}
         self.feed(WorkerJoined(now, wall, address, str(labels.get("host") or ws.host),
                                str(ws.name), str(labels.get("nvlink", "")),
-                               str(labels.get("leaf", ""))))
+                               str(labels.get("leaf", "")), str(labels.get("gpu", ""))))
 
     async def _restart(self, addresses: tuple[str, ...], reason: str) -> None:
         results: Any
@@ -334,7 +337,7 @@ class ClusterController(SchedulerPlugin):
                 seed=spec.seed, host_slots=per_host.get(hosts[rank], 1),
                 settings=assets.settings, checkpoint=plan,
                 faults=tuple(f for f in c.faults if f.rank == rank), job_info=spec.describe(),
-                control=dict(c.control))
+                control=dict(c.control), device=c.device)
             fut = client.submit(
                 run_rank_task, launch, key=f"nbtrain-{c.job_id}-g{c.generation}-r{rank}",
                 workers=[address], allow_other_workers=False, pure=False, retries=0)

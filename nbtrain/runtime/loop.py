@@ -49,7 +49,7 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
                            flush_s=settings.event_flush_s, batch_max=settings.event_batch_max)
     threads = settings.rank_threads or max(1, (os.cpu_count() or 1) // max(1, launch.host_slots))
     torch.set_num_threads(threads)
-    device = _device()
+    device = _device(launch.device)
     ctx = RankContext(job_id=launch.job_id, rank=launch.rank, world_size=launch.world_size,
                       generation=launch.generation, device=device, seed=launch.seed, host=host)
     recipe: Recipe | None = None
@@ -182,11 +182,19 @@ def _step_loop(launch: RankLaunch, recipe: Recipe, ctx: RankContext, control: Co
     return "completed"
 
 
-def _device() -> torch.device:
+def _device(kind: str = "") -> torch.device:
+    if kind == "cpu":
+        return torch.device("cpu")
     if torch.cuda.is_available():
-        # One GPU per Dask worker (dask-cuda sets CUDA_VISIBLE_DEVICES per worker).
+        # One GPU per Dask worker (CUDA_VISIBLE_DEVICES per worker: nbtrain's embedded
+        # cluster and dask-cuda set it), so the worker's GPU is always cuda:0.
         torch.cuda.set_device(0)
         return torch.device("cuda", 0)
+    if kind == "gpu":
+        raise RuntimeError(
+            f"this job runs on GPU slots, but torch {torch.__version__} on this worker sees "
+            "no CUDA device (torch.cuda.is_available() is False): install a CUDA build of "
+            "torch in the workers' environment")
     return torch.device("cpu")
 
 
