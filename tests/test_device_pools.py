@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from nbtrain.core.job import JobSpec
 from nbtrain.core.lifecycle_types import (
+    AbortCollectives,
     JobSubmission,
     Launch,
     Publish,
     Rejected,
+    RestartWorkers,
     Submitted,
     WorkerJoined,
     WorkerLeft,
@@ -153,3 +155,53 @@ def test_the_launch_of_a_cpu_cluster_job_names_cpu() -> None:
     h.submit("a")
     [launch] = h.of(Launch)
     assert launch.device == "cpu"
+
+
+def gpu_cluster(n: int = 3) -> MixedHarness:
+    h = MixedHarness(workers=0)
+    for i in range(n):
+        h.join_gpu("g0", f"GPU-{i:08d}-0000-0000-0000-000000000000", nvlink="g0/nvl0")
+    return h
+
+
+def test_nccl_peers_are_aborted_not_restarted_and_the_job_recovers() -> None:
+    h = gpu_cluster()
+    h.submit_on("a", "gpu")
+    [launch] = h.launches("a")
+    h.steps("a", 0, 12)
+    h.committed("a", 0, 10)
+    h.fail("a", 0, 1, step=12)
+    assert h.of(AbortCollectives, h.advance(0.1)) == []
+    out = h.advance(0.3)
+    [abort] = h.of(AbortCollectives, out)
+    assert abort == AbortCollectives("a", 0, (launch.addresses[0],),
+                                     "free the peers of job job-a's failed rank")
+    assert h.of(RestartWorkers, out) == []  # the processes and their CUDA contexts stay
+    h.fail("a", 0, 0, peer=True, step=12, error="DistBackendError: NCCL communicator was "
+                                                "aborted on rank 0")
+    [fault] = h.m.status("a").faults
+    assert fault["rank"] == 1 and fault["resume_step"] == 10
+    relaunch = h.launches("a")[-1]
+    assert relaunch.generation == 1 and relaunch.device == "gpu"
+    assert h.of(RestartWorkers) == []
+
+
+def test_a_lost_gpu_worker_gets_its_peers_aborted() -> None:
+    h = gpu_cluster()
+    h.submit_on("a", "gpu")
+    [launch] = h.launches("a")
+    h.steps("a", 0, 5)
+    h.feed(WorkerLeft, launch.addresses[0])
+    [abort] = h.of(AbortCollectives, h.advance(0.4))
+    assert abort.addresses == (launch.addresses[1],)
+
+
+def test_peers_still_running_after_the_grace_are_restarted_on_gpus_too() -> None:
+    h = gpu_cluster()
+    h.submit_on("a", "gpu")
+    [launch] = h.launches("a")
+    h.steps("a", 0, 5)
+    h.fail("a", 0, 1, step=5)
+    h.advance(0.4)  # the abort did not free rank 0 (stuck outside the collective)
+    [restart] = h.of(RestartWorkers, h.advance(10.0))
+    assert restart.addresses == (launch.addresses[0],)

@@ -16,10 +16,12 @@ decisions into generations. What the machine adds is what the scheduler does not
   restart budget, else FAILED), then preemptions (by the user: PREEMPTED until ``resume``; by
   the scheduler or for a straggler's replacement: queued again), then completion.
 - **Failures.** A rank that raised, a worker that died, a generation with no progress (the
-  hang watchdog). Peers of a failed rank still blocked in a collective are released by
-  restarting the failed rank's worker after ``peer_release_s`` (gloo keeps its connections
-  open while DDP holds the group); ranks still running ``failure_grace_s`` after a failure
-  are stopped the same way. Every fault is recorded with one readable cause.
+  hang watchdog). Peers of a failed rank still blocked in a collective are released after
+  ``peer_release_s``: on CPU slots (gloo) by restarting the failed rank's worker (gloo keeps
+  its connections open while DDP holds the group), on GPU slots (NCCL) by aborting the
+  peers' communicators, which keeps their processes and CUDA contexts; ranks still running
+  ``failure_grace_s`` after a failure are stopped by restarting their workers. Every fault
+  is recorded with one readable cause.
 - **Slots whose workers restart.** A slot whose worker is asked to restart is offline for the
   scheduler until a worker backs it again; one that does not come back within
   ``worker_return_s`` is reported lost.
@@ -40,6 +42,7 @@ from nbtrain.core.job import JobState
 from nbtrain.core.jobevents import fault_event, preemption_event, recovery_event, state_event
 from nbtrain.core.jobrecord import Generation, JobStatus, LiveJob, Preemption, primary_failure
 from nbtrain.core.lifecycle_types import (
+    AbortCollectives,
     Cancel,
     Command,
     Deliver,
@@ -548,10 +551,16 @@ class JobMachine:
                     self._force_end(job, gen)
                 elif waited > policy.peer_release_s and not gen.released:
                     gen.released = True
-                    self._restart_workers(
-                        [gen.addresses[r] for r, f in gen.failures.items()
-                         if not f.peer and not f.lost_worker],
-                        f"free the peers of job {job.name}'s failed rank")
+                    if self._kind_of(job) == GPU:  # NCCL has an abort; gloo does not
+                        self._out.append(AbortCollectives(
+                            job.id, gen.number, tuple(gen.addresses[r] for r in
+                                                      gen.unfinished(job.spec.world_size)),
+                            f"free the peers of job {job.name}'s failed rank"))
+                    else:
+                        self._restart_workers(
+                            [gen.addresses[r] for r, f in gen.failures.items()
+                             if not f.peer and not f.lost_worker],
+                            f"free the peers of job {job.name}'s failed rank")
             elif job.preempt is not None and self.now > job.preempt.deadline and not gen.failing:
                 self._force_release(job, gen)
             elif gen.running and job.state is JobState.RUNNING and gen.hang is None:

@@ -16,6 +16,7 @@ from nbtrain.core.job import JobSpec
 from nbtrain.core.mitigation import MitigationSettings
 
 __all__ = [
+    "AbortCollectives",
     "Cancel",
     "Command",
     "Deliver",
@@ -219,6 +220,18 @@ class RestartWorkers:
 
 
 @dataclass(frozen=True)
+class AbortCollectives:
+    """Abort the NCCL communicators of ``generation``'s ranks on these workers: a rank blocked
+    in a collective with a failed peer raises at once, and its process (and CUDA context)
+    stays warm for the next generation."""
+
+    job_id: str
+    generation: int
+    addresses: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
 class Cancel:
     """Give up on these rank tasks (their workers are being restarted or are gone)."""
 
@@ -260,4 +273,4 @@ class Rejected:
 
 
 Command = (Launch | SetControl | Deliver | RestartWorkers | Cancel | Diagnose | EndGeneration
-           | Publish | Rejected)
+           | Publish | Rejected | AbortCollectives)

@@ -38,6 +38,7 @@ from nbtrain.core.health import hung_ranks
 from nbtrain.core.job import JobSpec
 from nbtrain.core.lifecycle import JobMachine
 from nbtrain.core.lifecycle_types import (
+    AbortCollectives,
     Cancel,
     Command,
     Deliver,
@@ -220,6 +221,8 @@ class ClusterController(SchedulerPlugin):
             self._spawn(self._cancel(c))
         elif isinstance(c, RestartWorkers):
             self._spawn(self._restart(c.addresses, c.reason))
+        elif isinstance(c, AbortCollectives):
+            self._spawn(self._abort_collectives(c))
         elif isinstance(c, Diagnose):
             self._spawn(self._diagnose(c.job_id, c.generation))
         elif isinstance(c, Deliver):
@@ -313,6 +316,22 @@ class ClusterController(SchedulerPlugin):
         self.cluster_log.extend([{"kind": "restart", "addresses": list(addresses),
                                   "reason": reason, "results": {str(k): str(v) for k, v in
                                                                 dict(results or {}).items()},
+                                  "time": time.time()}])
+        self.wake()
+
+    async def _abort_collectives(self, c: AbortCollectives) -> None:
+        from nbtrain.runtime.nccl import abort_generation
+
+        client = await self.client()
+        try:
+            results: Any = await client.run(abort_generation, c.job_id, c.generation,
+                                            workers=list(c.addresses), on_error="return")
+        except Exception as exc:
+            results = {a: f"{type(exc).__name__}: {exc}" for a in c.addresses}
+        self.cluster_log.extend([{"kind": "abort", "job": c.job_id, "generation": c.generation,
+                                  "addresses": list(c.addresses), "reason": c.reason,
+                                  "results": {str(k): str(v) for k, v in
+                                              dict(results or {}).items()},
                                   "time": time.time()}])
         self.wake()
 

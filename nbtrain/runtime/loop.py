@@ -25,6 +25,7 @@ from distributed import get_client, get_worker
 from distributed.comm import get_address_host
 
 from nbtrain.config import Settings
+from nbtrain.runtime import nccl
 from nbtrain.runtime.checkpointing import RankCheckpointing
 from nbtrain.runtime.context import RankContext
 from nbtrain.runtime.control import ControlChannel
@@ -101,10 +102,12 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
     except BaseException as exc:
         text = "".join(traceback.format_exception(exc))
         error = f"{type(exc).__name__}: {exc}"
-        peer = looks_like_peer_failure(text)
-        # Free peers blocked in a collective with us: closing our gloo/NCCL connections makes
-        # their collective raise now instead of after the collective timeout.
-        _destroy_process_group()
+        peer = looks_like_peer_failure(text) or nccl.was_aborted(launch.job_id,
+                                                                 launch.generation)
+        # Free peers blocked in a collective with us: closing our gloo connections (or
+        # aborting our NCCL communicator) makes their collective raise now instead of after
+        # the collective timeout.
+        nccl.abort_process_group()
         with contextlib.suppress(Exception):
             emitter.emit("rank_failed", step=ctx.step, error=error, traceback=text, peer=peer,
                          host=host)
@@ -118,6 +121,7 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
         if control is not None:
             control.close()
         _destroy_process_group()
+        nccl.bind(launch.job_id, None)
         del store
         with contextlib.suppress(Exception):
             emitter.flush()
@@ -224,10 +228,16 @@ def _init_process_group(launch: RankLaunch, host: str, device: torch.device,
         store = dist.TCPStore(where["host"], int(where["port"]), launch.world_size,
                               is_master=False, timeout=rdzv_timeout)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl":
+        nccl.configure_env()
     dist.init_process_group(
         backend, store=store, rank=launch.rank, world_size=launch.world_size,
         timeout=datetime.timedelta(seconds=settings.collective_timeout_s),
+        # Binding the GPU creates the NCCL communicator now (rendezvous errors surface
+        # here) and gives the controller's abort a communicator to abort.
+        device_id=device if backend == "nccl" else None,
     )
+    nccl.bind(launch.job_id, launch.generation)
     return store
 
 
