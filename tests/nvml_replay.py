@@ -91,6 +91,12 @@ class RecordedNvml:
                 return i
         raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
 
+    def nvmlDeviceGetHandleByUUID(self, gpu: str) -> int:
+        for i, g in enumerate(self.host["gpus"]):
+            if g["uuid"] == gpu:
+                return i
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+
     def nvmlDeviceGetUUID(self, handle: int) -> str:
         return str(self._gpu(handle)["uuid"])
 

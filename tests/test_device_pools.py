@@ -205,3 +205,22 @@ def test_peers_still_running_after_the_grace_are_restarted_on_gpus_too() -> None
     h.advance(0.4)  # the abort did not free rank 0 (stuck outside the collective)
     [restart] = h.of(RestartWorkers, h.advance(10.0))
     assert restart.addresses == (launch.addresses[0],)
+
+
+def test_device_readings_reach_straggler_verdicts_and_stay_out_of_the_log() -> None:
+    from nbtrain.core.lifecycle_types import RankMessage
+    from tests.test_gpu_health import HOT, rows
+
+    h = gpu_cluster()
+    h.submit_on("a", "gpu")
+    h.feed(RankMessage, "a", {"kind": "device", "rank": 1, "gen": 0, "readings": HOT})
+    h.feed(RankMessage, "a", {"kind": "device", "rank": 0, "gen": -1, "readings": {}})  # stale
+    for start in range(1, 60, 10):
+        batch = rows({"compute": 2.0}, start, 10)
+        for rank in (0, 1):
+            h.feed(RankMessage, "a", {"kind": "steps", "rank": rank, "gen": 0,
+                                      "rows": batch[rank]})
+    assert h.events("a", "device") == []
+    [suspect, *_] = h.events("a", "straggler")
+    assert suspect["rank"] == 1 and suspect["nvml"] == HOT
+    assert suspect["hint"].startswith("GPU throttling: SM clock 1.20 GHz of 1.98 GHz max")

@@ -104,7 +104,7 @@ def test_the_monitor_samples_on_its_thread_until_stopped() -> None:
         got.append(readings)
         first.set()
 
-    monitor = DeviceMonitor(host["gpus"][2]["pci_bus_id"], emit, interval_s=3600, nvml=nvml)
+    monitor = DeviceMonitor(host["gpus"][2]["uuid"], emit, interval_s=3600, nvml=nvml)
     assert monitor.start()
     assert first.wait(30)
     monitor.stop()

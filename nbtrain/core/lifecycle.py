@@ -441,6 +441,10 @@ class JobMachine:
                 assert gen is not None
                 self._on_steps(job, gen, int(msg["rank"]), msg["rows"])
             return
+        if kind == "device":  # GPU readings for straggler verdicts; too frequent for the log
+            if current:
+                job.stragglers.device(int(msg["rank"]), dict(msg.get("readings") or {}))
+            return
         self._publish(job, msg)
         if kind == "checkpoint":
             phase = msg.get("phase")

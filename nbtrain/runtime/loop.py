@@ -33,6 +33,7 @@ from nbtrain.runtime.errors import RankFailure, looks_like_peer_failure
 from nbtrain.runtime.events import EventEmitter
 from nbtrain.runtime.faults import FaultInjector
 from nbtrain.runtime.launch import RankLaunch
+from nbtrain.runtime.nvml import monitor_device
 from nbtrain.runtime.recipe import Recipe
 
 __all__ = ["KILL_NOTICE_S", "RankLaunch", "run_rank"]
@@ -57,6 +58,8 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
     control: ControlChannel | None = None
     ckpt: RankCheckpointing | None = None
     store: dist.TCPStore | None = None
+    monitor = monitor_device(device, lambda readings: emitter.emit("device", readings=readings),
+                             settings.device_sample_s)
     try:
         t0 = time.perf_counter()
         client = get_client()
@@ -122,6 +125,8 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
             control.close()
         _destroy_process_group()
         nccl.bind(launch.job_id, None)
+        if monitor is not None:
+            monitor.stop()
         del store
         with contextlib.suppress(Exception):
             emitter.flush()

@@ -33,7 +33,8 @@ from nbtrain.core.gpu_topology import (
     normalize_bus_id,
 )
 
-__all__ = ["DeviceMonitor", "discover", "read_health", "read_nvidia_smi", "read_nvml"]
+__all__ = ["DeviceMonitor", "discover", "monitor_device", "read_health", "read_nvidia_smi",
+           "read_nvml"]
 
 #: Seconds allowed for one ``nvidia-smi`` call (it can hang on a GPU in a bad state).
 NVIDIA_SMI_TIMEOUT_S = 20.0
@@ -202,9 +203,9 @@ class DeviceMonitor:
     be found; a rank never fails because of its monitor.
     """
 
-    def __init__(self, pci_bus_id: str, emit: Callable[[dict[str, float]], None],
+    def __init__(self, gpu: str, emit: Callable[[dict[str, float]], None],
                  interval_s: float = 10.0, nvml: Any | None = None) -> None:
-        self.pci_bus_id = pci_bus_id
+        self.gpu = gpu  # its UUID ("GPU-...") or PCI bus id
         self.emit = emit
         self.interval_s = interval_s
         self._nvml = nvml
@@ -221,7 +222,8 @@ class DeviceMonitor:
         except Exception:
             return False
         try:
-            handle = nvml.nvmlDeviceGetHandleByPciBusId(self.pci_bus_id)
+            handle = (nvml.nvmlDeviceGetHandleByUUID(self.gpu) if self.gpu.startswith("GPU-")
+                      else nvml.nvmlDeviceGetHandleByPciBusId(self.gpu))
         except Exception:
             with contextlib.suppress(Exception):
                 nvml.nvmlShutdown()
@@ -271,3 +273,18 @@ class DeviceMonitor:
                     nvml.nvmlEventSetFree(events)
             with contextlib.suppress(Exception):
                 nvml.nvmlShutdown()
+
+
+def monitor_device(device: Any, emit: Callable[[dict[str, float]], None],
+                   interval_s: float) -> DeviceMonitor | None:
+    """A started monitor of a rank's torch CUDA ``device`` (found in NVML by the UUID torch
+    reports, whatever ``CUDA_VISIBLE_DEVICES`` says); None on CPU, with ``interval_s <= 0``,
+    or without nvidia-ml-py."""
+    if getattr(device, "type", "") != "cuda" or interval_s <= 0:
+        return None
+    import torch
+
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    monitor = DeviceMonitor(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}", emit,
+                            interval_s)
+    return monitor if monitor.start() else None
