@@ -224,3 +224,26 @@ def test_device_readings_reach_straggler_verdicts_and_stay_out_of_the_log() -> N
     [suspect, *_] = h.events("a", "straggler")
     assert suspect["rank"] == 1 and suspect["nvml"] == HOT
     assert suspect["hint"].startswith("GPU throttling: SM clock 1.20 GHz of 1.98 GHz max")
+
+
+def test_cluster_topology_shows_hosts_domains_and_gpus() -> None:
+    import json
+    from pathlib import Path
+
+    from nbtrain.core.gpu_topology import gpus_from_nvml, worker_gpu_labels
+    from nbtrain.engine.topoview import TopologyView
+
+    raw = json.loads((Path(__file__).parent / "data/gpu/a6000_pairs_nvml.json").read_text())
+    host = gpus_from_nvml("ws-a6000", raw)
+    h = MixedHarness(workers=1, hosts=1)  # one CPU worker on h0
+    for i in range(4):
+        labels = worker_gpu_labels(host, str(i), "")
+        h.join_gpu("ws-a6000", labels["gpu"], nvlink=labels["nvlink"])
+    view = TopologyView(h.m.slots())
+    assert view.domains() == {"h0": ["h0#0"], "ws-a6000/nvl0": ["ws-a6000#0", "ws-a6000#1"],
+                              "ws-a6000/nvl1": ["ws-a6000#2", "ws-a6000#3"]}
+    lines = view.describe().splitlines()
+    assert lines[0] == "4 GPU slots, 1 CPU slots on 2 host(s); 3 NVLink domain(s)"
+    assert "    NVLink domain ws-a6000/nvl1 (declared): 2 slot(s)" in lines
+    assert any(line.strip().startswith("ws-a6000#0  free  GPU-") for line in lines)
+    assert "<table>" in view._repr_html_()

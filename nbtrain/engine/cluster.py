@@ -36,6 +36,7 @@ from nbtrain.engine.gpus import embedded_gpus
 from nbtrain.engine.job import JobHandle
 from nbtrain.engine.remote import Follower, Remote
 from nbtrain.engine.tokens import TokenStore
+from nbtrain.engine.topoview import TopologyView
 from nbtrain.engine.wire import submission_to_wire
 from nbtrain.engine.workers import NbtrainWorker
 
@@ -88,6 +89,13 @@ class Cluster:
         """Worker addresses of the slots that have a worker now."""
         return sorted(s["address"] for s in self.snapshot()["slots"]
                       if s["address"] and s["state"] in ("free", "held"))
+
+    @property
+    def topology(self) -> TopologyView:
+        """The slots by leaf switch, host and NVLink domain, with their GPUs (UUID, PCI bus
+        id) and where each domain came from (NVML, a multi-node NVLink clique, nvidia-smi,
+        or a declared label): what the gang scheduler places on."""
+        return TopologyView(self.snapshot()["slots"])
 
     @property
     def free_slots(self) -> list[str]:
