@@ -322,6 +322,10 @@ def connect(address: str | Client | None = None, *, n_workers: int | None = None
                                   "silence_logs": logging.CRITICAL}
         if security is not None:
             kwargs["security"] = security
+        if gpus is False:
+            # CPU workers on a GPU machine: hide the GPUs, or each worker would report (and
+            # use) GPU 0.
+            kwargs["env"] = {"CUDA_VISIBLE_DEVICES": ""}
         kwargs.update(cluster_kwargs)
         with dask.config.set(config):
             local = EmbeddedCluster(n_workers=0 if gpu_ids else n, gpus=gpu_ids,

@@ -81,5 +81,26 @@ def gpu_labels(settings: Settings) -> dict[str, str]:
     from nbtrain.runtime.nvml import discover
 
     host = settings.worker_host or socket.gethostname()
-    return worker_gpu_labels(discover(host), os.environ.get("CUDA_VISIBLE_DEVICES"),
-                             settings.worker_nvlink)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    found = discover(host)
+    if found is None and visible != "" and os.path.exists("/dev/nvidiactl"):
+        # An NVIDIA driver but neither nvidia-ml-py nor nvidia-smi: still a GPU slot (or its
+        # ranks would train on the CPU), with the NVLink domain left to labels.
+        return _labels_from_torch(settings.worker_nvlink)
+    return worker_gpu_labels(found, visible, settings.worker_nvlink)
+
+
+def _labels_from_torch(declared_nvlink: str) -> dict[str, str]:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return {}
+        props = torch.cuda.get_device_properties(0)
+    except Exception:
+        return {}
+    uuid = str(props.uuid)
+    return {"gpu": uuid if uuid.startswith("GPU-") else f"GPU-{uuid}", "gpu_name": props.name,
+            "nvlink": declared_nvlink,
+            "nvlink_source": "declared" if declared_nvlink else
+            "unknown: install nvidia-ml-py (pip install nbtrain[gpu]) or nvidia-smi"}
