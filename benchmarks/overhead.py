@@ -1,9 +1,12 @@
 """nbtrain's step rate against a plain torchrun DDP script, same model and data, world size 2.
 
-Rounds alternate nbtrain and torchrun in one run; each round's rate is taken over the steady
-state only (the first 25% of steps dropped), and the figures are medians over rounds.
+Three contenders per round, in a rotating order: nbtrain with a ``Recipe`` (nbtrain's loop),
+nbtrain with a training function (the user's own loop over ``ctx.batches``), and torchrun.
+Each round's rate is taken over the steady state only (the first 25% of steps dropped), and
+the figures are medians over rounds.
 Usage: ``python benchmarks/overhead.py [--quick] [--rounds N] [--steps N]``.
-Last stdout line: JSON with nbtrain_steps_per_s, torchrun_steps_per_s, ratio.
+Last stdout line: JSON with nbtrain_steps_per_s, function_steps_per_s, torchrun_steps_per_s,
+ratio (Recipe over torchrun) and function_ratio (function over torchrun).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 import nbtrain
-from nbtrain.examples import DigitsMLP
+from nbtrain.examples import DigitsMLP, digits_train
 
 HERE = Path(__file__).resolve().parent
 
@@ -39,6 +42,16 @@ def run_nbtrain(cluster: nbtrain.Cluster, steps: int, hidden: int, layers: int,
     return steady_rate(m[m["rank"] == 0].sort_values("step")["time"].tolist())
 
 
+def run_function(cluster: nbtrain.Cluster, steps: int, hidden: int, layers: int,
+                 batch: int) -> float:
+    config = {"hidden": hidden, "layers": layers, "batch_size": batch}
+    job = cluster.submit(digits_train, world_size=2, steps=steps, name="overhead-fn",
+                         config=config, checkpoint=None)
+    job.result(timeout=600)
+    m = job.metrics
+    return steady_rate(m[m["rank"] == 0].sort_values("step")["time"].tolist())
+
+
 def run_torchrun(steps: int, hidden: int, layers: int, batch: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
@@ -54,29 +67,36 @@ def run_torchrun(steps: int, hidden: int, layers: int, batch: int) -> float:
 
 def compare(cluster: nbtrain.Cluster, rounds: int, steps: int, hidden: int = 512,
             layers: int = 3, batch: int = 256, log: bool = True) -> dict[str, object]:
-    """Alternating rounds of nbtrain on ``cluster`` and torchrun; medians and their ratio."""
+    """Rounds of nbtrain (Recipe and function) on ``cluster`` and torchrun, in rotating
+    order so drift in machine load hits all alike; medians and ratios."""
     shape = (hidden, layers, batch)
-    ours: list[float] = []
-    peer: list[float] = []
+    runners = {"nbtrain": lambda: run_nbtrain(cluster, steps, *shape),
+               "function": lambda: run_function(cluster, steps, *shape),
+               "torchrun": lambda: run_torchrun(steps, *shape)}
+    rates: dict[str, list[float]] = {k: [] for k in runners}
     run_nbtrain(cluster, 30, *shape)  # warm the workers' imports once
+    names = list(runners)
     for i in range(rounds):
-        # Alternate which goes first so drift in machine load hits both alike.
-        order = ("nbtrain", "torchrun") if i % 2 == 0 else ("torchrun", "nbtrain")
-        for which in order:
-            if which == "nbtrain":
-                ours.append(run_nbtrain(cluster, steps, *shape))
-            else:
-                peer.append(run_torchrun(steps, *shape))
+        for which in names[i % 3:] + names[: i % 3]:
+            rates[which].append(runners[which]())
         if log:
-            print(f"round {i + 1}/{rounds}: nbtrain {ours[-1]:7.1f} steps/s   "
-                  f"torchrun {peer[-1]:7.1f} steps/s   ratio {ours[-1] / peer[-1]:.3f}",
+            peer = rates["torchrun"][-1]
+            print(f"round {i + 1}/{rounds}: nbtrain {rates['nbtrain'][-1]:7.1f}  function "
+                  f"{rates['function'][-1]:7.1f}  torchrun {peer:7.1f} steps/s   ratios "
+                  f"{rates['nbtrain'][-1] / peer:.3f} {rates['function'][-1] / peer:.3f}",
                   flush=True)
-    a, b = statistics.median(ours), statistics.median(peer)
-    ratios = [x / y for x, y in zip(ours, peer, strict=True)]
-    return {"nbtrain_steps_per_s": round(a, 2), "torchrun_steps_per_s": round(b, 2),
-            "ratio": round(a / b, 4),
-            "ratio_per_round_median": round(statistics.median(ratios), 4),
-            "ratios": [round(r, 4) for r in ratios]}
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    per_round = [x / y for x, y in zip(rates["nbtrain"], rates["torchrun"], strict=True)]
+    per_round_fn = [x / y for x, y in zip(rates["function"], rates["torchrun"], strict=True)]
+    return {"nbtrain_steps_per_s": round(med["nbtrain"], 2),
+            "function_steps_per_s": round(med["function"], 2),
+            "torchrun_steps_per_s": round(med["torchrun"], 2),
+            "ratio": round(med["nbtrain"] / med["torchrun"], 4),
+            "function_ratio": round(med["function"] / med["torchrun"], 4),
+            "ratio_per_round_median": round(statistics.median(per_round), 4),
+            "function_ratio_per_round_median": round(statistics.median(per_round_fn), 4),
+            "ratios": [round(r, 4) for r in per_round],
+            "function_ratios": [round(r, 4) for r in per_round_fn]}
 
 
 def main() -> None:
@@ -94,10 +114,14 @@ def main() -> None:
     settings = nbtrain.Settings.load(checkpoint_root=tmp.name)
     with tmp, nbtrain.connect(n_workers=2, settings=settings) as cluster:
         figures = compare(cluster, rounds, steps, args.hidden, args.layers, args.batch)
-    a, b = figures["nbtrain_steps_per_s"], figures["torchrun_steps_per_s"]
     ratios = figures.pop("ratios")
-    print(f"\n{'':12}{'median steps/s':>16}\n{'nbtrain':12}{a:16.1f}\n{'torchrun':12}{b:16.1f}"
-          f"\nratio (median of medians) {figures['ratio']:.3f}; per-round ratios "
+    figures.pop("function_ratios")
+    print(f"\n{'':12}{'median steps/s':>16}")
+    for label, key in (("nbtrain", "nbtrain_steps_per_s"), ("function", "function_steps_per_s"),
+                       ("torchrun", "torchrun_steps_per_s")):
+        print(f"{label:12}{figures[key]:16.1f}")
+    print(f"ratio (median of medians) {figures['ratio']:.3f}, function "
+          f"{figures['function_ratio']:.3f}; per-round ratios "
           f"{', '.join(f'{r:.3f}' for r in ratios)}")  # type: ignore[attr-defined]
     print(json.dumps({
         **figures, "rounds": rounds, "steps_per_round": steps, "world_size": 2,

@@ -14,6 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from nbtrain.checkpoints import Checkpoint, export_checkpoint, load_checkpoint
     from nbtrain.config import Settings
     from nbtrain.core.faults import Fault
     from nbtrain.core.job import JobSpec, JobState
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from nbtrain.runtime.recipe import Recipe
 
 _WHERE = {
+    "Checkpoint": "nbtrain.checkpoints",
     "Cluster": "nbtrain.engine.cluster",
     "Fault": "nbtrain.core.faults",
     "JobFailedError": "nbtrain.engine.job",
@@ -35,9 +37,12 @@ _WHERE = {
     "Recipe": "nbtrain.runtime.recipe",
     "Settings": "nbtrain.config",
     "connect": "nbtrain.engine.cluster",
+    "export_checkpoint": "nbtrain.checkpoints",
+    "load_checkpoint": "nbtrain.checkpoints",
 }
 
 __all__ = [
+    "Checkpoint",
     "Cluster",
     "Fault",
     "JobFailedError",
@@ -49,6 +54,8 @@ __all__ = [
     "Recipe",
     "Settings",
     "connect",
+    "export_checkpoint",
+    "load_checkpoint",
 ]
 __version__ = "0.1.0"
 

@@ -98,6 +98,13 @@ class Settings:
     #: How long the controller waits for a nanny to kill a worker it restarts.
     worker_restart_timeout_s: float = 30.0
 
+    #: A rank's output (print, logging, warnings) reaches the notebook at up to this many lines
+    #: per second on average (bursts of 200); the rest is counted as dropped.
+    log_lines_per_s: float = 50.0
+    #: Largest return value of a training function that comes back as ``job.result()``
+    #: (pickled); save bigger things to storage and return their path.
+    result_max_bytes: int = 64 * 1024 * 1024
+
     # -- this client
     #: Where a client keeps the tokens of the jobs it submitted, so a restarted kernel can
     #: steer them again ("" keeps them in memory only). One file per user, mode 0600.

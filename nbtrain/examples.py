@@ -74,3 +74,21 @@ class DigitsMLP(Recipe):
         module = getattr(self.model, "module", self.model)
         pred = module(x.to(ctx.device)).argmax(dim=1).cpu()
         return float((pred == y).float().mean())
+
+
+def digits_train(ctx: RankContext, config: dict[str, Any]) -> dict[str, float]:
+    """``DigitsMLP`` as a training function (the same model, data and steps): the user's own
+    loop over ``ctx.batches``. Returns the held-out accuracy at the end."""
+    recipe = DigitsMLP(hidden=config.get("hidden", 256), layers=config.get("layers", 2),
+                       batch_size=config.get("batch_size", 128), lr=config.get("lr", 2e-3))
+    model = ctx.prepare(recipe.build_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr)
+    ctx.track(model=model, optimizer=opt)
+    for x, y in ctx.batches(digits("train"), global_batch_size=recipe.batch_size):
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ctx.report(loss=loss.item())
+    recipe.model, recipe.test = model, digits("test")
+    return {"val_acc": recipe.accuracy(ctx), "steps": float(ctx.step)}

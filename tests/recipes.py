@@ -110,3 +110,37 @@ def assert_params_equal(out_dir: str | Path, expected: dict[str, torch.Tensor],
 def what_the_worker_sees() -> tuple[int, str]:
     """Run on a worker: how many CUDA devices it sees, and the UUID of its ``cuda:0``."""
     return torch.cuda.device_count(), str(torch.cuda.get_device_properties(0).uuid)
+def regression_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> dict[str, Any]:
+    """``Regression`` as a training function: the user's own loop over ``ctx.batches``."""
+    model = ctx.prepare(make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=config.get("lr", 0.05), momentum=0.9)
+    ctx.track(model=model, optimizer=opt)
+    loss = torch.zeros(())
+    for x, y in ctx.batches(regression_data(), global_batch_size=config.get("batch", 32)):
+        if config.get("step_sleep"):
+            time.sleep(config["step_sleep"])
+        loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ctx.report(loss=loss.item())
+    # Runs only when the loop completed (not after a stop or preemption).
+    if config.get("out_dir"):
+        torch.save(model.module.state_dict(), Path(config["out_dir"]) / f"rank{ctx.rank}.pt")
+    return {"steps": ctx.step, "final_loss": float(loss.item())}
+
+
+def diverging_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> None:
+    """Regression whose loss turns NaN from step ``config["nan_from"]`` on (the state too)."""
+    model = ctx.prepare(make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ctx.track(model=model, optimizer=opt)
+    for x, y in ctx.batches(regression_data(), global_batch_size=32):
+        time.sleep(0.01)
+        loss = F.mse_loss(model(x), y)
+        if ctx.step + 1 >= config["nan_from"]:
+            loss = loss * float("nan")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ctx.report(loss=loss.item())

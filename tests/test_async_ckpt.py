@@ -162,7 +162,7 @@ def test_full_disk_marks_failed_and_training_goes_on() -> None:
         "snapshot", "persisted", "committed",
     ]  # fmt: skip
     failed = next(i for k, i in events if k == "failed")
-    assert failed["step"] == 2 and failed["phase"] == "persist"
+    assert failed["step"] == 2 and failed["stage"] == "persist"
     assert "No space left on device" in failed["error"]
     assert [r.step for r in ck.failures] == [2]
     assert store.committed() == [3, 1]

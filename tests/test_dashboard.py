@@ -281,6 +281,20 @@ def test_phase_selector_redraws_the_chosen_phase(comms: list[RecordingComm]) -> 
     assert heat.step_plot._heat_renderer.glyph.fill_color.field == "compute_s"
 
 
+def test_the_ranks_output_is_shown_per_rank(comms: list[RecordingComm]) -> None:
+    job = offline_handle(2)
+    dash = JobDashboard(job, start=False)
+    lines = [{"rank": r, "gen": 0, "stream": "stdout", "text": f"line {i} of rank {r}",
+              "time": 1.7e9} for r in (0, 1) for i in range(20)]
+    job._apply({"output": lines})
+    dash.refresh()
+    shown = dash.logs_panel.value
+    assert "[rank 0 g0] line 19 of rank 0" in shown and "[rank 1 g0] line 19 of rank 1" in shown
+    assert "line 11 of rank 0" not in shown  # only the newest lines per rank
+    assert len(job.logs(tail=None)) == 40 and job.logs(rank=1, tail=1) == [
+        "[rank 1 g0] line 19 of rank 1"]
+
+
 def test_straggler_lines_are_drawn_thicker(comms: list[RecordingComm]) -> None:
     job = offline_handle(2)
     dash = JobDashboard(job, start=False)

@@ -430,3 +430,47 @@ def test_unknown_request_is_an_error() -> None:
     run_to_running(h)
     with pytest.raises(ValueError, match="unknown request 'frobnicate'"):
         h.feed(Request, "a", "frobnicate")
+
+
+def test_forgotten_jobs_leave_the_machine_and_the_scheduler() -> None:
+    """A controller that runs for weeks keeps only live jobs (and a bounded history that the
+    engine chooses), in the machine and in the gang scheduler."""
+    h = Harness()
+    for i in range(30):
+        jid = f"j{i}"
+        h.submit(jid)
+        h.exit(jid, 0, 0)
+        h.exit(jid, 0, 1)
+        assert h.state(jid) == "SUCCEEDED"
+        h.m.forget(jid)
+    assert h.m.job_ids() == []
+    assert h.m.sched is not None and h.m.sched.job_ids() == []
+    h.submit("live")
+    h.m.forget("live")  # a live job is never forgotten
+    assert h.m.job_ids() == ["live"]
+
+
+def test_a_nonfinite_metric_is_alerted_once_and_halts_when_asked() -> None:
+    for mode in ("alert", "halt"):
+        h = Harness()
+        spec = JobSpec(job_id="a", name="job-a", world_size=2, steps=1000, on_nonfinite=mode)
+        h.feed(Submitted, JobSubmission(spec=spec, policy=POLICY))
+        h.committed("a", 0, 4)
+        for step in (5, 6):
+            for rank in (0, 1):
+                h.feed(RankMessage, "a", {"kind": "steps", "rank": rank, "gen": 0, "rows": [
+                    [step, 0.0, 0.01, 0.0, 0.008, 0.0, 0.002, {"loss": float("nan")}]]})
+        [event] = h.events("a", "nonfinite")
+        assert event["metric"] == "loss" and event["value"] == "nan" and event["step"] == 5
+        assert event["halting"] is (mode == "halt")
+        halts = [c.flags["halt"] for c in h.of(SetControl)]
+        if mode == "alert":
+            assert halts == [] and h.state("a") == "RUNNING"
+            continue
+        assert halts == [1] and h.state("a") == "STOPPING"
+        h.exit("a", 0, 0, "halted", 7)
+        h.exit("a", 0, 1, "halted", 7)
+        assert h.state("a") == "FAILED"
+        assert h.reason("a") == ("halted at step 7: loss was nan at step 5 on rank 0; the "
+                                 "newest committed checkpoint is step 4 (resubmit with "
+                                 "resume='latest' to continue from it)")

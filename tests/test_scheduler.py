@@ -88,7 +88,7 @@ def test_no_preemption_among_equal_priorities_and_no_cycles() -> None:
     assert _kinds(out) == [("StartJob", "c")]
     # a (priority 1) is back in the queue and must not preempt c (priority 2)
     assert s.handle(Tick(4.0)) == []
-    assert s.preemption_log == [("c", "a")]
+    assert [(r.by, r.victim) for r in s.preemption_log] == [("c", "a")]
     s.check_invariants()
 
 

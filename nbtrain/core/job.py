@@ -34,7 +34,9 @@ class JobSpec:
     job_id: str
     name: str
     world_size: int
-    steps: int
+    #: Steps to train. None: the training function's own loop decides when it is done (a
+    #: ``Recipe`` needs a number).
+    steps: int | None
     min_size: int | None = None
     priority: int = 0
     team: str = "default"
@@ -52,6 +54,10 @@ class JobSpec:
     #: ``"gpu"`` (GPU slots, NCCL), ``"cpu"`` (CPU slots, gloo) or ``"auto"``: GPU slots when
     #: the cluster has any when the job is queued, else CPU slots.
     device: str = "auto"
+    #: A NaN or infinite reported metric: "alert" (say so at once) or "halt" (also stop the
+    #: job, checkpointing nothing from that step on, so the newest committed checkpoint is
+    #: the last good state).
+    on_nonfinite: str = "alert"
     extra: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -60,9 +66,10 @@ class JobSpec:
                 f"world_size must be a positive integer, got {self.world_size!r}: "
                 "pass the number of ranks, e.g. world_size=2"
             )
-        if not isinstance(self.steps, int) or self.steps < 1:
+        if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 1):
             raise ValueError(
-                f"steps must be a positive integer, got {self.steps!r}: e.g. steps=100"
+                f"steps must be a positive integer (or None for a training function that "
+                f"decides itself), got {self.steps!r}: e.g. steps=100"
             )
         if self.min_size is not None and not 1 <= self.min_size <= self.world_size:
             raise ValueError(
@@ -81,6 +88,13 @@ class JobSpec:
                 f"device must be 'auto', 'gpu' or 'cpu', got {self.device!r}: 'gpu' runs on "
                 "GPU slots only (NCCL), 'cpu' on CPU slots only (gloo)"
             )
+        if self.on_nonfinite not in ("alert", "halt"):
+            raise ValueError(f"on_nonfinite must be 'alert' or 'halt', got "
+                             f"{self.on_nonfinite!r}")
+
+    def progress(self, step: int) -> str:
+        """``"52/100"``, or ``"52"`` when the training function decides the number of steps."""
+        return format_progress(step, self.steps)
 
     def describe(self) -> dict[str, object]:
         """JSON-friendly summary (recorded in checkpoint manifests)."""
@@ -89,3 +103,8 @@ class JobSpec:
             "steps": self.steps, "seed": self.seed, "team": self.team,
             "priority": self.priority, "checkpoint": self.checkpoint,
         }
+
+
+def format_progress(step: int, steps: int | None) -> str:
+    """A job's progress as people read it: ``"52/100"``, or ``"52"`` with no fixed total."""
+    return f"{step}/{steps}" if steps else str(step)

@@ -20,7 +20,9 @@ import bisect
 import dataclasses
 import heapq
 import math
+from collections import deque
 from collections.abc import Hashable, Iterator
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -80,12 +82,20 @@ class Work:
         return self.queued + self.fits + self.running + self.slots
 
 
+class PreemptionRecord(NamedTuple):
+    by: str
+    victim: str
+    by_priority: int
+    victim_priority: int
+    overrun: bool  # the victim had overrun the estimate that let it backfill
+
+
 class JobRecord:
     """The scheduler's record of one job (internal; read it through ``JobView``)."""
 
     __slots__ = (
-        "avoid", "end", "first_start_t", "idx", "last_ckpt_t", "num", "preempted_for",
-        "preemptions", "req", "seq", "start_t", "state", "submit_t",
+        "avoid", "claim", "end", "first_start_t", "idx", "last_ckpt_t", "num",
+        "preempted_for", "preemptions", "promise", "req", "seq", "start_t", "state", "submit_t",
     )
 
     def __init__(self, req: JobRequest, num: int, seq: int, now: float) -> None:
@@ -101,6 +111,11 @@ class JobRecord:
         self.preempted_for: str | None = None
         self.preemptions = 0
         self.avoid: frozenset[Hashable] = frozenset()  # slot ids to stay off at the next start
+        # Queued behind the head, it preempted jobs for itself: it may take their slots.
+        self.claim = False
+        # Started by backfill on the head's reserved slots on the strength of its estimate:
+        # the time it promised to be done by (past it, the head may preempt it).
+        self.promise: float | None = None
         self.end = math.inf  # estimated end while running (see JobBook._end_of)
 
     @property
@@ -128,7 +143,9 @@ class JobBook:
         self._cap_cache: dict[tuple[int, int], int] = {}
         self._avail: SlotState | None = None  # the backfill view during a pass
         self._shrunk = False
-        self.preemption_log: list[tuple[str, str]] = []  # (preemptor, victim)
+        self._later_failed: dict[tuple[int, int], int] = {}  # per pass: (priority, tp) -> size
+        #: Recent preemptions (bounded: ended jobs may be forgotten), for invariant checks.
+        self.preemption_log: deque[PreemptionRecord] = deque(maxlen=10_000)
         # Live indices (see the module docstring); each holds only jobs that hold slots.
         self._ends: list[tuple[float, int, JobRecord]] = []  # running, by (end, seq)
         self._stopping: dict[int, JobRecord] = {}  # seq -> job told to stop, not yet released
@@ -148,6 +165,14 @@ class JobBook:
             first_start_t=j.first_start_t,
             preemptions=j.preemptions,
         )
+
+    def forget(self, job_id: str) -> None:
+        """Drop an ended job's record (a long-lived scheduler keeps only live jobs); its id
+        may not be submitted again. Unknown ids and live jobs are left alone."""
+        j = self._jobs.get(job_id)
+        if j is not None and j.state == "done":
+            del self._jobs[job_id]
+            del self._by_num[j.num]
 
     def job_ids(self, state: str | None = None) -> list[str]:
         """Ids of known jobs (optionally only those in ``state``), in submit order."""
@@ -203,10 +228,11 @@ class JobBook:
         fresh = SlotState(self.topo, owner.copy())
         for name, counts in self._state.free_count.items():
             assert np.array_equal(counts, fresh.free_count[name]), f"free counts of {name} stale"
-        for a, b in self.preemption_log:
-            pa = self._jobs[a].req.priority
-            pb = self._jobs[b].req.priority
-            assert pa > pb, f"{a} (priority {pa}) preempted {b} (priority {pb})"
+        for rec in self.preemption_log:
+            assert rec.by_priority > rec.victim_priority or (
+                rec.overrun and rec.by_priority >= rec.victim_priority), (
+                f"{rec.by} (priority {rec.by_priority}) preempted {rec.victim} (priority "
+                f"{rec.victim_priority})")
         running = {k for k, j in self._active.items() if j.state == "running"}
         assert {e[2].req.job_id for e in self._ends} == running, "end index stale"
         assert all(e[0] == self._end_of(e[2]) for e in self._ends), "end estimates stale"
@@ -327,6 +353,8 @@ class JobBook:
         j.idx = idx
         j.state = "running"
         j.avoid = frozenset()
+        j.claim = False
+        j.promise = None
         self._active[j.req.job_id] = j
         j.start_t = self.now
         j.last_ckpt_t = self.now
@@ -359,8 +387,14 @@ class JobBook:
         j.preemptions += 1
         j.preempted_for = head.req.job_id if head else None
         if head is not None:
-            self.preemption_log.append((head.req.job_id, j.req.job_id))
+            self.preemption_log.append(PreemptionRecord(
+                head.req.job_id, j.req.job_id, head.req.priority, j.req.priority,
+                self.overran(j)))
         return PreemptJob(j.req.job_id, grace, reason, j.preempted_for)
+
+    def overran(self, j: JobRecord) -> bool:
+        """Started by backfill on the strength of its estimate, and past it now."""
+        return j.promise is not None and self.now > j.promise
 
     def _lost_work(self, j: JobRecord) -> float:
         """Slot-seconds a preemption of ``j`` now would throw away, restart included."""

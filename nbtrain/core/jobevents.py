@@ -6,7 +6,8 @@ event has ``kind`` and ``time`` (wall-clock seconds, for people; durations use m
 clocks). Rank events also carry ``job``, ``rank`` and ``gen`` (the generation).
 
 Producers: the rank runtime (``rank_started``, ``checkpoint``, ``fault_injected``,
-``rank_failed``, ``rank_finished`` and the ``steps`` batches) and the job machine
+``rank_failed``, ``rank_finished``, the ``steps`` batches and the ``log`` batches of its
+output) and the job machine
 (:mod:`nbtrain.core.lifecycle`: ``state``, ``fault``, ``recovery``, ``preemption``,
 ``straggler``, ``mitigation``). Consumers: the job handle, the views, the report.
 """
@@ -19,10 +20,12 @@ __all__ = [
     "CONTROLLER_KINDS",
     "RANK_KINDS",
     "FaultEvent",
+    "NonFiniteEvent",
     "PreemptionEvent",
     "RecoveryEvent",
     "StateEvent",
     "fault_event",
+    "nonfinite_event",
     "preemption_event",
     "recovery_event",
     "state_event",
@@ -31,9 +34,10 @@ __all__ = [
 #: Kinds the rank runtime emits (``steps`` carries step rows, see ``core.records``; ``device``
 #: a GPU's NVML readings, kept for straggler verdicts and not logged).
 RANK_KINDS = ("steps", "device", "rank_started", "checkpoint", "fault_injected", "rank_failed",
-              "rank_finished")
+              "rank_finished", "log")
 #: Kinds the job machine emits.
-CONTROLLER_KINDS = ("state", "fault", "recovery", "preemption", "straggler", "mitigation")
+CONTROLLER_KINDS = ("state", "fault", "recovery", "preemption", "straggler", "mitigation",
+                    "nonfinite")
 
 
 class StateEvent(TypedDict):
@@ -86,6 +90,25 @@ class PreemptionEvent(TypedDict):
     step: int  # the step it resumes from
     forced: bool
     lost_steps: int
+
+
+class NonFiniteEvent(TypedDict):
+    """A rank reported a NaN or infinite metric (the first time in this generation)."""
+
+    kind: Literal["nonfinite"]
+    time: float
+    rank: int
+    step: int
+    metric: str
+    value: str  # "nan", "inf" or "-inf" (JSON has no such numbers)
+    generation: int
+    halting: bool
+
+
+def nonfinite_event(time: float, *, rank: int, step: int, metric: str, value: float,
+                    generation: int, halting: bool) -> NonFiniteEvent:
+    return {"kind": "nonfinite", "time": time, "rank": rank, "step": step, "metric": metric,
+            "value": str(value), "generation": generation, "halting": halting}
 
 
 def state_event(time: float, state: str, reason: str) -> StateEvent:

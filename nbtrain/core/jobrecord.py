@@ -20,7 +20,7 @@ from nbtrain.core.stragglerwatch import StragglerWatch
 __all__ = ["Generation", "JobStatus", "LiveJob", "Preemption", "primary_failure"]
 
 #: Control flags a generation's ranks act on (``checkpoint`` is a sequence number).
-CONTROL_FLAGS = ("stop", "preempt", "checkpoint")
+CONTROL_FLAGS = ("stop", "preempt", "checkpoint", "halt")
 
 
 @dataclass
@@ -54,6 +54,7 @@ class Generation:
     running: bool = False  # a step row arrived
     released: bool = False  # peers freed (failed ranks' workers restarted, or NCCL aborted)
     forced: bool = False  # preemption grace ran out: ranks stopped without their checkpoint
+    nonfinite: set[str] = field(default_factory=set)  # metrics already reported non-finite
 
     def finished(self, world_size: int) -> bool:
         return len(self.outcomes) + len(self.failures) >= world_size
@@ -80,7 +81,7 @@ class JobStatus:
     team: str
     priority: int
     world_size: int
-    steps: int
+    steps: int | None
     state: str
     reason: str
     generation: int
@@ -125,6 +126,7 @@ class LiveJob:
         self.stop_requested = False
         self.preempt: Preemption | None = None
         self.checkpoint_seq = 0
+        self.halt_reason = ""
 
     @property
     def id(self) -> str:

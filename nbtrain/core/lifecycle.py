@@ -32,6 +32,7 @@ decisions into generations. What the machine adds is what the scheduler does not
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -39,7 +40,13 @@ from typing import Any
 from nbtrain.core.health import HostHealth
 from nbtrain.core.inventory import Inventory, WorkerInfo
 from nbtrain.core.job import JobState
-from nbtrain.core.jobevents import fault_event, preemption_event, recovery_event, state_event
+from nbtrain.core.jobevents import (
+    fault_event,
+    nonfinite_event,
+    preemption_event,
+    recovery_event,
+    state_event,
+)
 from nbtrain.core.jobrecord import Generation, JobStatus, LiveJob, Preemption, primary_failure
 from nbtrain.core.lifecycle_types import (
     AbortCollectives,
@@ -69,6 +76,7 @@ from nbtrain.core.lifecycle_types import (
 from nbtrain.core.mitigation import ActionKind, SlotInfo
 from nbtrain.core.placement import Placement
 from nbtrain.core.pools import CPU, GPU, DevicePools
+from nbtrain.core.records import ROW_COLUMNS
 from nbtrain.core.sched_types import (
     Cancelled,
     Checkpointed,
@@ -96,6 +104,8 @@ __all__ = ["JobMachine", "SlotView"]
 
 #: One-line explanations of fault kinds, used in causes.
 _LOST = "worker died"
+#: Position of the metrics dict in a rank's step row.
+METRICS_AT = len(ROW_COLUMNS)
 
 
 class SlotView(dict[str, Any]):
@@ -118,6 +128,7 @@ class JobMachine:
         self.now = 0.0
         self.wall = 0.0
         self._jobs: dict[str, LiveJob] = {}
+        self._live: dict[str, LiveJob] = {}  # jobs with a generation (ticks walk only these)
         self._pending: list[str] = []  # submitted before any worker joined
         self._offline: set[str] = set()  # slots the scheduler has been told are offline
         self._restarting: dict[str, float] = {}  # slot -> when its restart was asked
@@ -168,6 +179,8 @@ class JobMachine:
         job = self._jobs.get(job_id)
         if job is not None and job.state.terminal:
             del self._jobs[job_id]
+            if self.sched is not None:
+                self.sched.forget(job_id)
 
     def slots(self) -> list[SlotView]:
         """Every slot the cluster has had, with its state and holder."""
@@ -293,6 +306,7 @@ class JobMachine:
         gen = Generation(number=number, slots=slots, addresses=addresses, started=self.now,
                          last_progress=self.now)
         job.gen = gen
+        self._live[job.id] = job
         job.generation = number
         job.checkpoint_seq = 0
         job.queue_note = ""
@@ -333,7 +347,7 @@ class JobMachine:
                            "waiting for workers to join")
                 else:
                     why = f"needs {need} {unit} at once; {free} of {online} free{away}"
-                    releasing = [j.name for j in self._jobs.values()
+                    releasing = [j.name for j in self._live.values()
                                  if j.preempt is not None and j.preempt.for_job == job.id]
                     if releasing:
                         why += f"; preempted {', '.join(releasing)} releasing its slots"
@@ -385,7 +399,7 @@ class JobMachine:
                                "address": address, "host": rec.host,
                                "restarting": slot in self._restarting})
         hit: list[LiveJob] = []
-        for job in self._jobs.values():
+        for job in self._live.values():
             gen = job.gen
             if gen is None or slot not in gen.slots:
                 continue
@@ -468,6 +482,7 @@ class JobMachine:
 
     def _on_steps(self, job: LiveJob, gen: Generation, rank: int, rows: list[Any]) -> None:
         gen.last_progress = self.now
+        self._check_finite(job, gen, rank, rows)
         if rank == 0 and rows:
             for row in rows:
                 job.ledger.step(int(row[0]), float(row[2]))
@@ -488,6 +503,30 @@ class JobMachine:
                 self._set_state(job, JobState.RUNNING, f"training (generation {gen.number})")
         if rank == 0 and job.state is JobState.RUNNING:
             self._mitigate(job, gen)
+
+    def _check_finite(self, job: LiveJob, gen: Generation, rank: int,
+                      rows: list[Any]) -> None:
+        """A NaN or infinite metric is news at once; with ``on_nonfinite="halt"`` the job
+        stops without checkpointing the bad state."""
+        for row in rows:
+            metrics = row[METRICS_AT] if len(row) > METRICS_AT else None
+            if not isinstance(metrics, dict):
+                continue
+            for name, value in metrics.items():
+                if math.isfinite(value) or name in gen.nonfinite:
+                    continue
+                gen.nonfinite.add(name)
+                halting = job.spec.on_nonfinite == "halt" and not job.stop_requested
+                self._publish(job, nonfinite_event(
+                    self.wall, rank=rank, step=int(row[0]), metric=name, value=value,
+                    generation=gen.number, halting=halting))
+                if halting and gen.control.get("halt", 0) == 0:
+                    job.halt_reason = (f"{name} was {value} at step {int(row[0])} on rank "
+                                       f"{rank}")
+                    self._set_control(job, halt=1)
+                    self._set_state(job, JobState.STOPPING,
+                                    f"halting: {job.halt_reason}; stopping without a "
+                                    "checkpoint, so the newest one stays the last good state")
 
     def _mitigate(self, job: LiveJob, gen: Generation) -> None:
         assert self.sched is not None
@@ -543,7 +582,7 @@ class JobMachine:
 
     # ================================================================== time
     def _on_tick(self) -> None:
-        for job in list(self._jobs.values()):
+        for job in list(self._live.values()):
             gen = job.gen
             if gen is None:
                 continue
@@ -634,6 +673,7 @@ class JobMachine:
         gen = job.gen
         assert gen is not None
         job.gen = None
+        self._live.pop(job.id, None)
         self._out.append(EndGeneration(job.id, gen.number))
         if gen.failing:
             self._generation_failed(job, gen)
@@ -646,6 +686,13 @@ class JobMachine:
                           Cancelled(self.now, job.id))
         elif "preempted" in outcomes and job.preempt is not None:
             self._preempted(job, gen, step)
+        elif "halted" in outcomes:
+            job.preempt = None
+            last = (f"the newest committed checkpoint is step {job.committed_step} "
+                    "(resubmit with resume='latest' to continue from it)"
+                    if job.committed_step else "no checkpoint was committed before it")
+            self._end_job(job, JobState.FAILED, f"halted at step {step}: {job.halt_reason}; "
+                                                f"{last}", Cancelled(self.now, job.id))
         elif outcomes == {"completed"}:
             self._end_job(job, JobState.SUCCEEDED, f"completed {step} steps",
                           Finished(self.now, job.id))

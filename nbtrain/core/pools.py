@@ -120,6 +120,15 @@ class DevicePools:
                 out += pool.handle(submit)
         return out
 
+    def forget(self, job_id: str) -> None:
+        """Drop an ended job's record (see ``JobBook.forget``)."""
+        kind = self._kind.get(job_id, "")
+        pool = self.pools.get(kind)
+        if pool is not None:
+            pool.forget(job_id)
+            if job_id not in pool.job_ids():
+                self._kind.pop(job_id, None)
+
     # ------------------------------------------------------------------ views
     def kind_of(self, job_id: str) -> str:
         """The device kind a job was submitted for ("" for an unknown job)."""

@@ -2,10 +2,11 @@
 
 The failure this avoids: a scheduler preempts the cheapest jobs wherever they run, frees
 scattered slots, and the preemptor (say 8 ranks with tp=8) still cannot start because no
-single NVLink domain became free. Here victims are chosen per domain: in each candidate domain
-(smallest level that could hold the job once its lower-priority jobs are gone) take the victims
+single NVLink domain became free. Here victims are chosen per domain: in each candidate domain,
+at every level that could hold the job once its lower-priority jobs are gone, take the victims
 with the least lost work per usable slot until whole TP groups fit, drop any victim that turns
-out unnecessary, and keep the domain whose victims lose the least work in total. The scheduler
+out unnecessary, and keep the domain (at any level; the finer on ties) whose victims lose the
+least work in total. The scheduler
 then checks with the real placement that the preemptor fits before it preempts anyone.
 """
 
@@ -61,7 +62,14 @@ def choose_victims(
     reclaim = (owner == FREE) | cand_mask
     p = topo.nvl_pos
     tree = topo.tree
+    # Every level is searched and the cheapest plan wins (finer levels on ties): stopping at
+    # the finest level with any plan preempted four jobs on one host where two plus the free
+    # slots of the neighbour host sufficed.
+    best: VictimPlan | None = None
+    best_key: tuple[float, int, int, int] | None = None
     for i, name in enumerate(tree):
+        if best is not None and len(best.victims) <= 1:
+            break  # a coarser domain cannot do with fewer victims; keep the finer one
         unit = tree[min(i, p)] if i >= p else name
         counts = np.bincount(topo.dom[unit][reclaim], minlength=topo.n_domains_of(unit))
         base = counts // tp
@@ -77,18 +85,14 @@ def choose_victims(
         # Fewest slots to reclaim first: domains that already have the most free slots.
         free_now = state.free_count[name][ok]
         ok = ok[np.argsort(-free_now, kind="stable")][:max_domains]
-        best: VictimPlan | None = None
-        best_key: tuple[float, int, int] | None = None
         for d in ok.tolist():
             plan = _plan_domain(state, name, unit, int(d), k, tp, cand_mask, cost)
             if plan is None:
                 continue
-            key = (plan.lost, len(plan.victims), d)
+            key = (plan.lost, len(plan.victims), i, d)
             if best_key is None or key < best_key:
                 best, best_key = plan, key
-        if best is not None:
-            return best
-    return None
+    return best
 
 
 def _plan_domain(

@@ -86,6 +86,7 @@ class Scheduler(JobBook):
     """
 
     MAX_SHRINK = 16  # elastic jobs considered for shrinking per blocked head (bounds a pass)
+    MAX_LATER_PREEMPTORS = 4  # queued jobs behind a blocked head that may preempt, per pass
 
     def handle(self, event: Event) -> list[Decision]:
         """Apply one event and run a scheduling pass; returns the decisions, in order."""
@@ -246,16 +247,25 @@ class Scheduler(JobBook):
         # takes slots, so any job at least that big fails too and is not tried again.
         fail_live: dict[int, int] = {}
         fail_view: dict[int, int] = {}
+        reserved: IntArray | None = None
+        later_preemptors = self.MAX_LATER_PREEMPTORS
+        self._later_failed: dict[tuple[int, int], int] = {}
         queue = self._queue_list()
         self.work.queued += len(queue)
         now = self.now
+        later_ok = cfg.preemption and cfg.order == "priority"
         for j in queue:
             if self._state.n_free == 0 and head is not None:
-                break
+                # Nothing more can start; jobs behind the head may still preempt.
+                if not (later_ok and later_preemptors):
+                    break
+                later_preemptors -= 1
+                self._preempt_for_later(j, reserved, shadow, out)
+                continue
             req = j.req
             tp = req.layout.tp
             need = req.min_slots
-            if avail is not None and need >= fail_view.get(tp, _NEVER):
+            if avail is not None and need >= fail_view.get(tp, _NEVER) and not j.claim:
                 # Cannot fit the backfill view; the live state only takes it if it ends before
                 # the shadow time (``_ends_by``, inlined: a long queue is mostly such jobs).
                 est = req.est_duration_s
@@ -264,7 +274,8 @@ class Scheduler(JobBook):
                 ):
                     continue
             targets = [(self._state, fail_live)] if avail is None else [(avail, fail_view)]
-            if avail is not None and self._ends_by(j, need, shadow):
+            if avail is not None and (self._ends_by(j, need, shadow)
+                                      or (j.claim and not math.isfinite(shadow))):
                 targets.append((self._state, fail_live))
             started = False
             for st, fails in targets:
@@ -274,14 +285,25 @@ class Scheduler(JobBook):
                 if idx is None:
                     fails[tp] = min(fails.get(tp, _NEVER), need)
                     continue
-                if st is self._state and avail is not None and not self._ends_by(
+                on_reserved = st is self._state and avail is not None
+                claimed = j.claim and not math.isfinite(shadow)
+                if on_reserved and not claimed and not self._ends_by(
                     j, int(idx.shape[0]), shadow
                 ):
                     continue  # uses reserved slots and might outlive the shadow time
+                est = req.est_duration_s
+                promise = (now + est * req.size / int(idx.shape[0])
+                           if on_reserved and not claimed and est is not None else None)
                 out.append(self._start(j, idx, avail))
+                j.promise = promise
                 started = True
                 break
-            if started or head is not None:
+            if started:
+                continue
+            if head is not None:
+                if later_ok and later_preemptors:
+                    later_preemptors -= 1
+                    self._preempt_for_later(j, reserved, shadow, out)
                 continue
             head = j
             if not cfg.backfill and cfg.order == "fifo":
@@ -321,29 +343,151 @@ class Scheduler(JobBook):
             if started:
                 return None, self.now
         if cfg.preemption and cfg.order == "priority":
+            # Victims: preemptible jobs of lower priority, and (whatever their priority, up to
+            # the head's) jobs that backfilled on the head's slots and overran the estimate
+            # that let them.
             cost = {
                 j.num: self._lost_work(j)
-                for prio, running in self._running_at.items() if prio < req.priority
-                for j in running.values() if j.req.preemptible
+                for prio, running in self._running_at.items() if prio <= req.priority
+                for j in running.values()
+                if j.req.preemptible and (prio < req.priority or self.overran(j))
             }
             self.work.running += len(cost)
             plan = None
             if cost:
                 self.work.slots += self.topo.n_slots
                 plan = choose_victims(soon, req.min_slots, req.layout, cost)
+            idx = None
             if plan is not None:
                 trial = self._copy(soon)
                 trial.release(np.concatenate([self._by_num[n].idx for n in plan.victims]))
                 idx = self._fit(trial, head)
-                if idx is not None:
-                    for num in plan.victims:
-                        out.append(self._preempt(
-                            self._by_num[num], head,
-                            f"preempted for {req.job_id!r} (priority {req.priority})",
-                            cfg.preempt_grace_s,
-                        ))
-                    return idx, self.now
+            # Shrinking elastic jobs with preemptions on top is tried when preemptions alone
+            # fail, or would stop an elastic job whole.
+            stops_elastic = plan is not None and any(
+                self._by_num[n].req.elastic for n in plan.victims)
+            combined = (self._shrink_and_preempt(head, soon, cost)
+                        if self._flex and (idx is None or stops_elastic) else None)
+            if combined is not None and (idx is None or plan is None
+                                         or combined[3] <= plan.lost):
+                shrinks, victims, head_idx, _ = combined
+                for j, small in shrinks:
+                    out.append(self._move(j, small, f"shrunk for {req.job_id!r}"))
+                self._shrunk = True
+                for num in victims:
+                    out.append(self._preempt(self._by_num[num], head,
+                                             self._why_preempted(self._by_num[num], head),
+                                             cfg.preempt_grace_s))
+                return head_idx, self.now
+            if plan is not None and idx is not None:
+                for num in plan.victims:
+                    out.append(self._preempt(self._by_num[num], head,
+                                             self._why_preempted(self._by_num[num], head),
+                                             cfg.preempt_grace_s))
+                return idx, self.now
         return self._shadow(head)
+
+    def _why_preempted(self, victim: JobRecord, by: JobRecord) -> str:
+        reason = f"preempted for {by.req.job_id!r} (priority {by.req.priority})"
+        if self.overran(victim) and victim.req.priority >= by.req.priority:
+            reason += (f": it overran the estimate ({victim.req.est_duration_s:g} s) that let "
+                       "it run on slots reserved for that job")
+        return reason
+
+    def _shrink_and_preempt(
+        self, head: JobRecord, soon: SlotState, cost: dict[int, float]
+    ) -> tuple[list[tuple[JobRecord, IntArray]], tuple[int, ...], IntArray, float] | None:
+        """Shrink elastic jobs (priority <= head's) to their minimum and preempt whole jobs
+        on top, when the two together make room: an elastic job keeps running smaller instead
+        of being stopped whole. Shrinks are added one at a time (the cheapest candidates
+        first) until the head fits. Returns (shrinks, victims, the head's slots, lost work).
+
+        A shrink keeps the leading ``min_size`` ranks of the job's placement: ranks are
+        numbered with data parallelism outermost, so that prefix holds whole replicas (TP
+        groups stay inside their NVLink domains)."""
+        req = head.req
+        cands = sorted(
+            (j for j in self._flex.values()
+             if j.req.elastic and j.size > j.req.min_slots and j.req.priority <= req.priority),
+            key=lambda j: (j.req.priority, -(j.size - j.req.min_slots), j.seq),
+        )[: self.MAX_SHRINK]
+        shrunk_nums = {j.num for j in cands}
+        reclaimable = sum(int(self._by_num[n].idx.shape[0]) for n in cost
+                          if n not in shrunk_nums)
+        surplus = sum(j.size - j.req.min_slots for j in cands)
+        if not cands or soon.n_free + surplus + reclaimable < req.min_slots:
+            return None
+        trial = self._copy(soon)
+        shrinks: list[tuple[JobRecord, IntArray]] = []
+        for j in cands:
+            small = j.idx[: j.req.min_slots]
+            trial.release(j.idx[j.req.min_slots:])
+            shrinks.append((j, small))
+            taken = {jj.num for jj, _ in shrinks}
+            rest = {n: c for n, c in cost.items() if n not in taken}
+            victims: tuple[int, ...] = ()
+            fits = trial
+            if trial.n_free < req.min_slots:
+                if not rest:
+                    continue
+                plan = choose_victims(trial, req.min_slots, req.layout, rest)
+                if plan is None:
+                    continue
+                victims = plan.victims
+                fits = self._copy(trial)
+                fits.release(np.concatenate([self._by_num[n].idx for n in victims]))
+            idx = self._fit(fits, head)
+            if idx is None:
+                continue
+            lost = sum(cost[n] for n in victims) + sum(
+                int(sm.shape[0]) * self.config.restart_cost_s for _, sm in shrinks)
+            return shrinks, victims, idx, lost
+        return None
+
+    def _preempt_for_later(self, j: JobRecord, reserved: IntArray | None, shadow: float,
+                           out: list[Decision]) -> None:
+        """A job behind a head that cannot start may preempt jobs of strictly lower priority
+        for itself (Kueue #5243: otherwise a high-priority small job waits behind a blocked
+        big head while low-priority jobs run). When the head will start at a known time, the
+        slots reserved for it are left alone: the head must not end up waiting behind it."""
+        req = j.req
+        if j.claim:
+            if any(v.preempted_for == req.job_id for v in self._stopping.values()):
+                return  # its victims are still releasing
+            j.claim = False
+        if not self._running_at or min(self._running_at) >= req.priority:
+            return
+        # Within a pass, a bigger job of the same priority and TP degree finds no victims
+        # where a smaller one found none.
+        key = (req.priority, req.layout.tp)
+        if req.min_slots >= self._later_failed.get(key, _NEVER):
+            return
+        binding = math.isfinite(shadow) and reserved is not None and reserved.shape[0] > 0
+        held = np.zeros(self.topo.n_slots, dtype=bool)
+        if binding:
+            assert reserved is not None
+            held[reserved] = True
+        cost = {
+            v.num: self._lost_work(v)
+            for prio, running in self._running_at.items() if prio < req.priority
+            for v in running.values()
+            if v.req.preemptible and not (binding and held[v.idx].any())
+        }
+        self.work.running += len(cost)
+        base = self._avail if binding and self._avail is not None else self._state
+        plan = choose_victims(base, req.min_slots, req.layout, cost) if cost else None
+        trial = None
+        if plan is not None:
+            trial = self._copy(base)
+            trial.release(np.concatenate([self._by_num[n].idx for n in plan.victims]))
+        if plan is None or trial is None or self._fit(trial, j) is None:
+            self._later_failed[key] = min(self._later_failed.get(key, _NEVER), req.min_slots)
+            return
+        self._later_failed.clear()  # slots are changing hands
+        for num in plan.victims:
+            out.append(self._preempt(self._by_num[num], j, self._why_preempted(
+                self._by_num[num], j), self.config.preempt_grace_s))
+        j.claim = True
 
     def _shadow(self, head: JobRecord) -> tuple[IntArray, float]:
         """Reserve where the head will run when running jobs end at their estimates."""

@@ -16,7 +16,7 @@ import os
 import secrets
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import cloudpickle
@@ -26,7 +26,7 @@ from distributed import Client, LocalCluster
 from nbtrain.config import Settings
 from nbtrain.core.checkpoint_policy import parse_checkpoint_setting
 from nbtrain.core.faults import Fault
-from nbtrain.core.job import JobSpec
+from nbtrain.core.job import JobSpec, format_progress
 from nbtrain.core.lifecycle_types import JobPolicy, JobSubmission
 from nbtrain.core.mitigation import MitigationSettings, make_policy
 from nbtrain.engine.checkpoints import job_url, resolve_resume
@@ -37,8 +37,10 @@ from nbtrain.engine.job import JobHandle
 from nbtrain.engine.remote import Follower, Remote
 from nbtrain.engine.tokens import TokenStore
 from nbtrain.engine.topoview import TopologyView
-from nbtrain.engine.wire import submission_to_wire
+from nbtrain.engine.trackers import TrackerSpec, parse_trackers
+from nbtrain.engine.wire import plain, submission_to_wire
 from nbtrain.engine.workers import NbtrainWorker
+from nbtrain.runtime.function import TrainFunction
 
 __all__ = ["QUIET_WORKER_CONFIG", "Cluster", "connect", "default_worker_count"]
 
@@ -150,15 +152,24 @@ class Cluster:
         return cluster_dashboard(self, display=display, **options)
 
     # -- jobs -----------------------------------------------------------------------------
-    def submit(self, recipe: Any, *, world_size: int, steps: int, name: str | None = None,
+    def submit(self, recipe: Any, *, world_size: int, steps: int | None = None,
+               name: str | None = None, config: Mapping[str, Any] | None = None,
                queue: bool = True, seed: int = 0, priority: int = 0,
                team: str = "default", checkpoint: int | str | None = "auto",
                resume: str | None = None, max_restarts: int = 3,
                restart_window_s: float = 3600.0,
                faults: list[Fault] | None = None,
                stragglers: str | MitigationSettings = "alert",
-               device: str = "auto") -> JobHandle:
-        """Start ``recipe`` on ``world_size`` slots at once (gang), or queue it.
+               device: str = "auto",
+               on_nonfinite: str = "alert",
+               trackers: Sequence[str | TrackerSpec] | None = None) -> JobHandle:
+        """Start a training job on ``world_size`` slots at once (gang), or queue it.
+
+        ``recipe``: a training function ``train(ctx, config)`` with its own loop over
+        ``ctx.batches(...)`` (``config`` is passed to it; its return value on rank 0 is
+        ``job.result()``), or an ``nbtrain.Recipe`` (``setup``/``step``, nbtrain's loop).
+        ``steps``: steps to train (required for a Recipe; for a function None lets its loop
+        decide).
 
         Returns a :class:`JobHandle` immediately; training runs in the background, in the
         cluster, and goes on if this kernel stops.
@@ -179,23 +190,43 @@ class Cluster:
           ``nbtrain.core.mitigation.MitigationSettings`` for cooldowns and exclusion scope.
         - ``device``: ``"gpu"`` (GPU slots only; NCCL), ``"cpu"`` (CPU slots only; gloo) or
           ``"auto"`` (GPU slots if the cluster has any, else CPU slots).
+        - ``on_nonfinite``: a NaN or infinite reported metric raises an alert (``"alert"``),
+          or also stops the job with nothing checkpointed from that step on (``"halt"``:
+          the newest committed checkpoint stays the last good state; FAILED).
+        - ``trackers``: ``"tensorboard:LOGDIR"``, ``"mlflow:TRACKING_URI"`` (e.g.
+          ``mlflow:file:///home/me/mlruns``): the controller writes every step's metrics
+          and phase times, checkpoints and faults there (it must reach the target).
         """
         if self._closed:
             raise RuntimeError("this cluster is closed: call nbtrain.connect() again")
-        if not (callable(getattr(recipe, "setup", None)) and callable(getattr(recipe, "step",
-                                                                                None))):
+        is_recipe = (callable(getattr(recipe, "setup", None))
+                     and callable(getattr(recipe, "step", None)))
+        if is_recipe:
+            if config is not None:
+                raise TypeError("config= is for training functions; a Recipe takes its "
+                                "settings in its constructor")
+            if steps is None:
+                raise ValueError(f"a Recipe job needs steps=N (got steps=None): nbtrain's loop "
+                                 f"runs {type(recipe).__name__}.step that many times")
+            work: Any = recipe
+            label = type(recipe).__name__
+        elif callable(recipe):
+            work = TrainFunction(recipe, dict(config or {}))
+            label = work.name
+        else:
             raise TypeError(
-                f"recipe must be an nbtrain.Recipe (with setup(ctx) and step(ctx, batch)), "
-                f"got {type(recipe).__name__}"
+                f"submit takes a training function train(ctx, config) or an nbtrain.Recipe "
+                f"(with setup(ctx) and step(ctx, batch)), got {type(recipe).__name__}"
             )
         job_id = uuid.uuid4().hex[:8]
-        spec = JobSpec(job_id=job_id, name=name or f"{type(recipe).__name__}-{job_id[:4]}",
+        spec = JobSpec(job_id=job_id, name=name or f"{label}-{job_id[:4]}",
                        world_size=world_size, steps=steps, queue=queue, seed=seed,
                        priority=priority, team=team, checkpoint=checkpoint, resume=resume,
                        max_restarts=max_restarts, restart_window_s=restart_window_s,
-                       device=device)
+                       on_nonfinite=on_nonfinite, device=device,
+                       extra={"kind": "recipe" if is_recipe else "function"})
         parse_checkpoint_setting(spec.checkpoint)  # raises ValueError naming the fix
-        payload = _pickle_recipe(recipe)
+        payload = _pickle_recipe(work)
         mitigation = (stragglers if isinstance(stragglers, MitigationSettings)
                       else MitigationSettings(policy=stragglers))
         make_policy(mitigation)  # unknown names fail here, not in the controller
@@ -215,10 +246,12 @@ class Cluster:
                              peer_release_s=s.peer_release_s,
                              failure_grace_s=s.failure_grace_s),
             resume_step=resume_step)
+        tracked = [plain(t) for t in parse_trackers(trackers)]
         reply = self._remote.call(
             "nbtrain_submit", job=submission_to_wire(sub), recipe=payload,
             settings=s.to_dict(), checkpoint_url=url,
-            restore=list(restore) if restore else None, token=self._remote.operator_token)
+            restore=list(restore) if restore else None, token=self._remote.operator_token,
+            trackers=tracked or None)
         token = str(reply["token"])
         self._tokens.put(self.address, job_id, token)
         handle = JobHandle(spec, self, token=token, checkpoint_url=url, status=reply["status"])
@@ -267,7 +300,7 @@ class Cluster:
         )
         job_rows = "".join(
             f"<tr><td>{html.escape(j['name'])}</td><td>{j['state']}</td>"
-            f"<td>{j['step']}/{j['steps']}</td><td>{html.escape(j['owner'])}</td>"
+            f"<td>{format_progress(j['step'], j['steps'])}</td><td>{html.escape(j['owner'])}</td>"
             f"<td>{html.escape(j['reason'])}</td></tr>"
             for j in snap["jobs"]
         )
@@ -349,13 +382,19 @@ def _whoami() -> str:
         return "unknown"
 
 
-def _pickle_recipe(recipe: Any) -> bytes:
+def _pickle_recipe(work: Any) -> bytes:
     try:
-        payload = cloudpickle.dumps(recipe)
+        payload = cloudpickle.dumps(work)
         cloudpickle.loads(payload)
     except Exception as exc:
+        if isinstance(work, TrainFunction):
+            raise TypeError(
+                f"the training function {work.name} or its config cannot be pickled to send "
+                f"them to the ranks: {type(exc).__name__}: {exc}. Keep open files, locks, "
+                "clients and live models out of the config and of the globals the function "
+                "uses; create them inside the function") from exc
         raise TypeError(
-            f"the recipe {type(recipe).__name__} cannot be pickled to send it to the ranks: "
+            f"the recipe {type(work).__name__} cannot be pickled to send it to the ranks: "
             f"{type(exc).__name__}: {exc}. Keep open files, locks, clients and live models out "
             "of the recipe's __init__; create them in setup(ctx)"
         ) from exc

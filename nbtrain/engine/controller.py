@@ -62,6 +62,7 @@ from nbtrain.core.lifecycle_types import (
 from nbtrain.core.sched_types import SchedulerConfig
 from nbtrain.engine.joblog import JobLog, Tail
 from nbtrain.engine.tasks import run_rank_task
+from nbtrain.engine.trackers import TrackerSink
 from nbtrain.runtime.events import RANK_TOPIC
 from nbtrain.runtime.launch import CheckpointPlan, RankLaunch
 
@@ -92,6 +93,9 @@ class JobAssets:
     rendezvous: dict[int, dict[str, Any]] = field(default_factory=dict)  # gen -> host, port
     control: dict[str, Any] = field(default_factory=dict)  # gen, version, flags
     last_ended: int = -1  # the newest generation that has ended
+    result: bytes | None = None  # a training function's return value on rank 0, pickled
+    result_error: str | None = None
+    trackers: TrackerSink | None = None  # TensorBoard / MLflow, fed from here
 
 
 class ClusterController(SchedulerPlugin):
@@ -131,6 +135,7 @@ class ClusterController(SchedulerPlugin):
         self.worker_labels: dict[str, dict[str, str]] = {}  # address -> what it reported
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
+        self._loop = asyncio.get_running_loop()
         self.decision_s: deque[float] = deque(maxlen=10_000)
         self._client: Client | None = None
         self._client_ready = asyncio.Event()
@@ -200,6 +205,9 @@ class ClusterController(SchedulerPlugin):
                 self.cluster_log.extend([dict(c.event)])
             elif c.job_id in self.assets:
                 self.assets[c.job_id].log.add_event(c.event)
+                sink = self.assets[c.job_id].trackers
+                if sink is not None:
+                    sink.event(c.event)
                 if c.event.get("kind") == "state" and c.event.get("state") in (
                         "SUCCEEDED", "FAILED", "CANCELLED"):
                     self._job_ended(c.job_id)
@@ -240,6 +248,10 @@ class ClusterController(SchedulerPlugin):
     def _wake_control(self) -> None:
         news, self._control_news = self._control_news, asyncio.Event()
         news.set()
+
+    def publish_from_thread(self, job_id: str, event: dict[str, Any]) -> None:
+        """Add an event to a job's log from another thread (a tracker reporting trouble)."""
+        self._loop.call_soon_threadsafe(self._do, Publish(job_id, event))
 
     def wake_rendezvous(self) -> None:
         news, self._rdzv_news = self._rdzv_news, asyncio.Event()
@@ -356,7 +368,8 @@ class ClusterController(SchedulerPlugin):
                 seed=spec.seed, host_slots=per_host.get(hosts[rank], 1),
                 settings=assets.settings, checkpoint=plan,
                 faults=tuple(f for f in c.faults if f.rank == rank), job_info=spec.describe(),
-                control=dict(c.control), device=c.device)
+                control=dict(c.control), halt_on_nonfinite=spec.on_nonfinite == "halt",
+                device=c.device)
             fut = client.submit(
                 run_rank_task, launch, key=f"nbtrain-{c.job_id}-g{c.generation}-r{rank}",
                 workers=[address], allow_other_workers=False, pure=False, retries=0)
@@ -381,6 +394,11 @@ class ClusterController(SchedulerPlugin):
         failure: RankFailureInfo | None = None
         try:
             outcome = dict(await fut)
+            assets = self.assets.get(job_id)
+            if assets is not None and ("result" in outcome or "result_error" in outcome):
+                # Kept as bytes: the scheduler never unpickles user objects.
+                assets.result = outcome.pop("result", None)
+                assets.result_error = outcome.pop("result_error", None)
         except asyncio.CancelledError:
             if self._closed:
                 raise
@@ -440,8 +458,16 @@ class ClusterController(SchedulerPlugin):
         assets = self.assets.get(job_id)
         if assets is None:
             return
-        if msg.get("kind") == "steps":
+        kind = msg.get("kind")
+        if kind == "log":  # the rank's output: for the views, nothing for the machine to decide
+            assets.log.add_output(msg)
+            self.wake()
+            return
+        if kind == "steps":
             assets.log.add_rows(int(msg["gen"]), int(msg["rank"]), msg["rows"])
+            if assets.trackers is not None:
+                gen, rank = int(msg["gen"]), int(msg["rank"])
+                assets.trackers.rows([(gen, rank, *row) for row in msg["rows"]])
         now, wall = self.now()
         self.feed(RankMessage(now, wall, job_id, msg))
         self.wake()

@@ -46,6 +46,7 @@ def install(ctl: ClusterController, scheduler: Any) -> None:
         "nbtrain_jobs": functools.partial(jobs, ctl),
         "nbtrain_job": functools.partial(job, ctl),
         "nbtrain_cluster": functools.partial(cluster, ctl),
+        "nbtrain_result": functools.partial(result, ctl),
         "nbtrain_rendezvous": functools.partial(rendezvous, ctl),
         "nbtrain_control": functools.partial(control, ctl),
     }
@@ -74,7 +75,8 @@ def _replying(fn: Callable[..., Awaitable[dict[str, Any]]]
 # ====================================================================== clients
 async def submit(ctl: ClusterController, *, job: Mapping[str, Any], recipe: bytes,
                  settings: Mapping[str, Any], checkpoint_url: str,
-                 restore: list[Any] | None = None, token: str = "") -> dict[str, Any]:
+                 restore: list[Any] | None = None, token: str = "",
+                 trackers: list[Mapping[str, Any]] | None = None) -> dict[str, Any]:
     from nbtrain.engine.controller import JobAssets, token_hash
 
     sub = submission_from_wire(job)
@@ -96,11 +98,21 @@ async def submit(ctl: ClusterController, *, job: Mapping[str, Any], recipe: byte
         restore=(str(restore[0]), None if restore[1] is None else int(restore[1]))
         if restore else None,
         token_hash=token_hash(job_token), log=JobLog(rows_kept=ctl.settings.rows_kept))
+    if trackers:
+        from nbtrain.engine.trackers import TrackerSink, TrackerSpec
+
+        specs = [TrackerSpec(**dict(t)) for t in trackers]
+        ctl.assets[spec.job_id].trackers = TrackerSink(
+            specs, run=f"{spec.name}-{spec.job_id}", params=spec.describe(),
+            on_error=lambda message, jid=spec.job_id: ctl.publish_from_thread(
+                jid, {"kind": "tracker", "error": message}))
     now, wall = ctl.now()
     commands = ctl.feed(Submitted(now, wall, sub))
     rejected = [c for c in commands if isinstance(c, Rejected) and c.job_id == spec.job_id]
     if rejected:
-        ctl.assets.pop(spec.job_id, None)
+        held = ctl.assets.pop(spec.job_id, None)
+        if held is not None and held.trackers is not None:
+            held.trackers.event({"kind": "state", "state": "CANCELLED"})
         raise ValueError(rejected[0].reason)
     return {"job_id": spec.job_id, "token": job_token, "status": ctl.machine.status(
         spec.job_id).to_dict()}
@@ -136,14 +148,15 @@ async def request(ctl: ClusterController, *, job_id: str, what: str, arg: Any = 
 
 async def follow(ctl: ClusterController, *, cursors: Mapping[str, list[int]],
                  timeout: float = 2.0, max_rows: int = 20_000) -> dict[str, Any]:
-    """New rows and events of the followed jobs, and their status. Returns as soon as any
-    has news (after a short pause that batches what arrives together), or after
-    ``timeout`` seconds with the statuses alone."""
+    """New rows, events and output lines of the followed jobs (cursors: positions of the
+    next row, event and line), and their status. Returns as soon as any has news (after a
+    short pause that batches what arrives together), or after ``timeout`` seconds with the
+    statuses alone."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + max(0.0, float(timeout))
     while True:
-        news = {jid: (r, e) for jid, (r, e) in cursors.items()
-                if jid in ctl.assets and ctl.assets[jid].log.has_news(r, e)}
+        news = {jid: c for jid, c in cursors.items()
+                if jid in ctl.assets and ctl.assets[jid].log.has_news(*c)}
         gone = [jid for jid in cursors if jid not in ctl.assets]
         remaining = deadline - loop.time()
         if news or gone or remaining <= 0:
@@ -155,13 +168,14 @@ async def follow(ctl: ClusterController, *, cursors: Mapping[str, list[int]],
             continue
         await asyncio.sleep(FOLLOW_BATCH_S)  # let rows from the other ranks arrive with these
     out: dict[str, Any] = {}
-    for jid, (rows_from, events_from) in cursors.items():
+    for jid, cursor in cursors.items():
         assets = ctl.assets.get(jid)
         status = ctl._status(jid) if assets is not None else None
         if assets is None or status is None:
             out[jid] = {"gone": True}
             continue
-        update = assets.log.since(rows_from, events_from, max_rows)
+        rows_from, events_from, *rest = cursor
+        update = assets.log.since(rows_from, events_from, max_rows, *rest[:1])
         update["status"] = status
         out[jid] = update
     return {"jobs": out}
@@ -187,6 +201,14 @@ async def job(ctl: ClusterController, *, key: str) -> dict[str, Any]:
 
     return {"job_id": key, "spec": plain(assets.spec), "checkpoint_url": assets.checkpoint_url,
             "status": ctl._status(key)}
+
+
+async def result(ctl: ClusterController, *, job_id: str) -> dict[str, Any]:
+    """A training function's return value on rank 0 (pickled bytes, None if it returned
+    nothing), or why there is none."""
+    _known(ctl, job_id)
+    assets = ctl.assets[job_id]
+    return {"result": assets.result, "error": assets.result_error}
 
 
 async def cluster(ctl: ClusterController, *, log_from: int = 0) -> dict[str, Any]:

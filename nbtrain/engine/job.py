@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import cloudpickle
 import pandas as pd
 
 from nbtrain.core.faults import Fault
@@ -49,6 +50,8 @@ class JobHandle:
         self._rows_pos = 0  # absolute position of the next row to fetch
         self._events: list[dict[str, Any]] = []
         self._events_pos = 0
+        self._output: list[dict[str, Any]] = []  # the ranks' output lines
+        self._output_pos = 0
         self._ends = (0, 0)  # the controller's rows and events ends at the last update
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
         self._following = False
@@ -168,6 +171,22 @@ class JobHandle:
         with self._lock:
             self._listeners.append(listener)
 
+    def logs(self, rank: int | None = None, tail: int | None = 200) -> list[str]:
+        """What the ranks printed, logged and warned (``[rank 1 g0] text``), oldest first:
+        every rank's, or ``rank``'s; the last ``tail`` lines (None: all kept)."""
+        from nbtrain.runtime.output import format_lines
+
+        self._follow()
+        with self._lock:
+            records = [o for o in self._output if rank is None or o["rank"] == rank]
+        return format_lines(records[-tail:] if tail else records)
+
+    def output_since(self, index: int) -> tuple[list[dict[str, Any]], int]:
+        """Output records after position ``index`` and the new position (for live views)."""
+        self._follow()
+        with self._lock:
+            return self._output[index:], len(self._output)
+
     @property
     def faults(self) -> list[dict[str, Any]]:
         """Faults seen so far: what, its cause, rank, host, step, detection latency, recovery
@@ -251,23 +270,40 @@ class JobHandle:
 
         return committed_checkpoints(self._checkpoint_url)
 
+    def state_dict(self, step: int | str = "latest") -> dict[str, Any]:
+        """The job's tracked state from its newest (or ``step``'s) committed checkpoint, as
+        plain state dicts: ``model.load_state_dict(job.state_dict()["model"])``."""
+        from nbtrain.checkpoints import load_checkpoint
+
+        return load_checkpoint(self, step).state
+
     def wait(self, timeout: float | None = None) -> JobState:
         """Block until the job ends; return its final state. Raises TimeoutError."""
         self._follow()
         if not self._done.wait(timeout):
             raise TimeoutError(
                 f"job {self.name} still {self.status.value} after {timeout} s "
-                f"(step {self.step}/{self.spec.steps}); call job.stop() to end it"
+                f"(step {self.spec.progress(self.step)}); call job.stop() to end it"
             )
         return self.status
 
-    def result(self, timeout: float | None = None) -> JobHandle:
-        """Wait, then raise :class:`JobFailedError` unless the job succeeded."""
+    def result(self, timeout: float | None = None) -> Any:
+        """Wait, then raise :class:`JobFailedError` unless the job succeeded. Returns the
+        training function's return value on rank 0 (a Recipe job returns this handle)."""
         state = self.wait(timeout)
         if state is not JobState.SUCCEEDED:
             detail = f"\n{self.error}" if self.error else ""
             raise JobFailedError(f"job {self.name} {state.value}: {self.reason}{detail}")
-        return self
+        if self.spec.extra.get("kind") != "function":
+            return self
+        if self._cluster is None:
+            raise RuntimeError(f"job {self.name}: this handle is not attached to a cluster")
+        reply = self._cluster._remote.call("nbtrain_result", job_id=self.id)
+        if reply.get("error"):
+            raise JobFailedError(f"job {self.name} succeeded but its result did not come back: "
+                                 f"{reply['error']}")
+        data = reply.get("result")
+        return None if data is None else cloudpickle.loads(data)
 
     # -- views ----------------------------------------------------------------------------
     def dashboard(self, display: str | None = None, **options: Any) -> Any:
@@ -294,7 +330,7 @@ class JobHandle:
         if self._following or self._cluster is None or self._done.is_set():
             return
         self._following = True
-        reply = self._cluster._remote.call("nbtrain_follow", cursors={self.id: [0, 0]},
+        reply = self._cluster._remote.call("nbtrain_follow", cursors={self.id: [0, 0, 0]},
                                            timeout=0)
         update = reply["jobs"].get(self.id)
         if update is not None:
@@ -302,9 +338,9 @@ class JobHandle:
         if not self._done.is_set():
             self._cluster._follower.follow(self)
 
-    def _cursor(self) -> tuple[int, int]:
+    def _cursor(self) -> tuple[int, int, int]:
         with self._lock:
-            return self._rows_pos, self._events_pos
+            return self._rows_pos, self._events_pos, self._output_pos
 
     def _drained(self) -> bool:
         return self._done.is_set()
@@ -336,6 +372,11 @@ class JobHandle:
                 new_events = [dict(e) for e in events]
                 self._events.extend(new_events)
                 self._events_pos = at + len(events)
+            output = update.get("output") or []
+            if output:
+                at = int(update.get("output_at", self._output_pos))
+                self._output.extend(dict(o) for o in output)
+                self._output_pos = at + len(output)
             if "status" in update:
                 self._status = dict(update["status"])
             ends = (int(update.get("rows_end", self._rows_pos)),
@@ -352,7 +393,7 @@ class JobHandle:
 
     # -- notebook display -----------------------------------------------------------------
     def __repr__(self) -> str:
-        return (f"<JobHandle {self.name} {self.status.value} step {self.step}/{self.spec.steps} "
+        return (f"<JobHandle {self.name} {self.status.value} step {self.spec.progress(self.step)} "
                 f"world_size={self.spec.world_size}: {self.reason}>")
 
     def _repr_html_(self) -> str:
@@ -366,7 +407,7 @@ class JobHandle:
         owner = f", owner {html.escape(self.owner)}" if self.owner else ""
         return (
             f"<div><b>nbtrain job {html.escape(self.name)}</b> "
-            f"<span style='color:{colour}'>{state}</span> — step {self.step}/{self.spec.steps}, "
+            f"<span style='color:{colour}'>{state}</span> — step {self.spec.progress(self.step)}, "
             f"world size {self.spec.world_size}, generation {max(self.generation, 0)}{owner}"
             f"<br><i>{html.escape(self.reason)}</i>{err}</div>"
         )

@@ -47,9 +47,11 @@ class Tail:
 class JobLog:
     """Rows and events of one job, plus what a client needs to rebuild its handle."""
 
-    def __init__(self, *, rows_kept: int, events_kept: int = 20_000) -> None:
+    def __init__(self, *, rows_kept: int, events_kept: int = 20_000,
+                 output_kept: int = 10_000) -> None:
         self.rows = Tail(rows_kept)
         self.events = Tail(events_kept)
+        self.output = Tail(output_kept)
 
     def add_rows(self, generation: int, rank: int, rows: Sequence[Sequence[Any]]) -> None:
         self.rows.extend((generation, rank, *row) for row in rows)
@@ -57,13 +59,28 @@ class JobLog:
     def add_event(self, event: Mapping[str, Any]) -> None:
         self.events.extend([dict(event)])
 
-    def since(self, rows_from: int, events_from: int, max_rows: int) -> dict[str, Any]:
-        """What a follower at these positions has not seen yet (``rows_at``/``events_at`` are
-        the absolute positions of the first returned items)."""
+    def add_output(self, msg: Mapping[str, Any]) -> None:
+        """A rank's batch of output lines (and how many it dropped)."""
+        rank, gen, t = int(msg["rank"]), int(msg["gen"]), float(msg.get("time", 0.0))
+        lines = [{"rank": rank, "gen": gen, "stream": s, "text": text, "time": t}
+                 for s, text in msg.get("lines", ())]
+        if msg.get("dropped"):
+            lines.append({"rank": rank, "gen": gen, "stream": "nbtrain", "time": t,
+                          "text": f"... {msg['dropped']} lines dropped (more than "
+                                  "Settings.log_lines_per_s)"})
+        self.output.extend(lines)
+
+    def since(self, rows_from: int, events_from: int, max_rows: int,
+              output_from: int = 0) -> dict[str, Any]:
+        """What a follower at these positions has not seen yet (``*_at`` are the absolute
+        positions of the first returned items, ``*_end`` the ends now)."""
         rows_at, rows = self.rows.since(rows_from, max_rows)
         events_at, events = self.events.since(events_from, 10_000)
+        output_at, output = self.output.since(output_from, 10_000)
         return {"rows_at": rows_at, "rows": rows, "events_at": events_at, "events": events,
-                "rows_end": self.rows.end, "events_end": self.events.end}
+                "output_at": output_at, "output": output, "rows_end": self.rows.end,
+                "events_end": self.events.end, "output_end": self.output.end}
 
-    def has_news(self, rows_from: int, events_from: int) -> bool:
-        return self.rows.end > rows_from or self.events.end > events_from
+    def has_news(self, rows_from: int, events_from: int, output_from: int = 0) -> bool:
+        return (self.rows.end > rows_from or self.events.end > events_from
+                or self.output.end > output_from)

@@ -315,7 +315,7 @@ class AsyncCheckpointer:
         result.phase = phase
         self._emit(
             "failed",
-            {"step": result.step, "phase": phase, "error": result.error, "bytes": result.bytes},
+            {"step": result.step, "stage": phase, "error": result.error, "bytes": result.bytes},
         )
 
 

@@ -32,12 +32,13 @@ __all__ = ["CheckpointPlan", "RankCheckpointing"]
 
 class RankCheckpointing:
     def __init__(self, plan: CheckpointPlan, *, rank: int, world_size: int, generation: int,
-                 job: dict[str, Any], state: dict[str, Any], loader: ShardedLoader | None,
-                 on_event: Callable[[str, dict[str, Any]], None]) -> None:
+                 job: dict[str, Any], on_event: Callable[[str, dict[str, Any]], None],
+                 state: dict[str, Any] | None = None,
+                 loader: ShardedLoader | None = None) -> None:
         self.plan = plan
         self.rank = rank
         self.world_size = world_size
-        self.state = state
+        self.state: dict[str, Any] = state if state is not None else {}
         self.loader = loader
         self.store = CheckpointStore(plan.url, keep=plan.keep)
         self.policy = CheckpointPolicy(plan.policy, now=time.monotonic())
@@ -46,6 +47,11 @@ class RankCheckpointing:
             job=job, on_event=on_event, commit_timeout_s=plan.commit_timeout_s,
         )
         self.last_saved_step = -1
+
+    def bind(self, state: dict[str, Any], loader: ShardedLoader | None) -> None:
+        """What checkpoints hold, known when the training loop starts."""
+        self.state = state
+        self.loader = loader
 
     # -- restore ----------------------------------------------------------------------------
     def restore(self) -> tuple[int, list[tuple[int, str]]]:

@@ -23,8 +23,10 @@ import torch.distributed as dist
 from distributed import Client
 
 #: Requests, in vector order. ``checkpoint`` is a sequence number: a new number = a new request.
-#: ``due`` is set by a rank itself: its time-based checkpoint policy says a checkpoint is due.
-FLAGS = ("stop", "preempt", "checkpoint", "due")
+#: ``halt``: stop without the final checkpoint (the state is bad, e.g. a NaN loss). ``due`` is
+#: set by a rank itself (its time-based checkpoint policy says a checkpoint is due): keep it
+#: last.
+FLAGS = ("stop", "preempt", "checkpoint", "halt", "due")
 #: Upper bound on steps between agreements, whatever the step time.
 MAX_INTERVAL_STEPS = 64
 #: How long one long-poll waits for a change before it asks again.

@@ -22,6 +22,7 @@ from nbtrain.core.records import ROW_COLUMNS
 STEP_COLUMNS = ROW_COLUMNS
 #: The Dask event topic of every rank's events.
 RANK_TOPIC = "nbtrain-ranks"
+_OWN_FIELDS = frozenset({"kind", "job", "rank", "gen", "time"})
 
 
 class EventEmitter:
@@ -64,6 +65,8 @@ class EventEmitter:
             self._send("steps", {"rows": rows})
 
     def _send(self, kind: str, info: dict[str, Any]) -> None:
+        # The emitter's own fields win (a checkpoint writer's info repeats the rank).
+        extra = {k: v for k, v in info.items() if k not in _OWN_FIELDS}
         self._worker.log_event(self.topic, rank_event(
             kind, job=self.job_id, rank=self.rank, gen=self.generation, time=time.time(),
-            **info))
+            **extra))

@@ -42,8 +42,8 @@ class RankLaunch:
     rank: int
     world_size: int
     generation: int
-    recipe: bytes  # cloudpickled Recipe, as the submitting client made it
-    steps: int
+    recipe: bytes  # cloudpickled Recipe or TrainFunction, as the submitting client made it
+    steps: int | None  # None: a training function's own loop decides
     seed: int
     host_slots: int  # slots of the cluster on this rank's host, to size torch threads
     settings: Settings
@@ -54,3 +54,5 @@ class RankLaunch:
     #: The slot's kind: "gpu" (the worker's GPU, NCCL), "cpu" (gloo, even on a GPU worker),
     #: "" (the GPU if the worker has one).
     device: str = ""
+    #: Take no checkpoint once a reported metric was NaN or infinite (on_nonfinite="halt").
+    halt_on_nonfinite: bool = False

@@ -1,12 +1,14 @@
 """The rank task: one long-running Dask task per rank and generation.
 
 Sequence: rendezvous (rank 0 opens a TCPStore on a free port and publishes it through the
-controller), process group, ``recipe.setup``, restore from the agreed checkpoint, then the step
-loop. Each step: planned faults, fetch the batch (data wait), ``recipe.step`` (compute + comm +
-optimizer), at agreed steps the control agreement, a checkpoint when due, emit the record.
-Stop, preempt and completion end with a checkpoint that the rank waits for. On any exception
-the process group is destroyed at once so peers blocked in a collective get an error now
-rather than after the collective timeout.
+controller), process group, then the user's work: a ``Recipe`` (``setup``, then nbtrain's loop
+over ``next_batch``/``step``) or a training function (``train(ctx, config)``, its own loop over
+``ctx.batches``). Either way the loop starts by restoring the agreed checkpoint, and every step
+boundary goes through :class:`~nbtrain.runtime.stepper.Stepper` (faults, timing, control,
+checkpoints, the step's row). Stop, preempt and completion end with a checkpoint that the rank
+waits for (a halt, after a NaN, does not). On any exception the process group is destroyed at
+once so peers blocked in a collective get an error now rather than after the collective
+timeout.
 """
 
 from __future__ import annotations
@@ -27,19 +29,19 @@ from distributed.comm import get_address_host
 from nbtrain.config import Settings
 from nbtrain.runtime import nccl
 from nbtrain.runtime.checkpointing import RankCheckpointing
-from nbtrain.runtime.context import RankContext
+from nbtrain.runtime.context import LoopEnded, RankContext
 from nbtrain.runtime.control import ControlChannel
 from nbtrain.runtime.errors import RankFailure, looks_like_peer_failure
 from nbtrain.runtime.events import EventEmitter
 from nbtrain.runtime.faults import FaultInjector
+from nbtrain.runtime.function import TrainFunction
 from nbtrain.runtime.launch import RankLaunch
 from nbtrain.runtime.nvml import monitor_device
+from nbtrain.runtime.output import OutputForwarder
 from nbtrain.runtime.recipe import Recipe
+from nbtrain.runtime.stepper import Stepper
 
-__all__ = ["KILL_NOTICE_S", "RankLaunch", "run_rank"]
-
-#: Seconds between announcing an injected kill and doing it.
-KILL_NOTICE_S = 0.2
+__all__ = ["RankLaunch", "run_rank"]
 
 
 def run_rank(launch: RankLaunch) -> dict[str, Any]:
@@ -66,29 +68,36 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
         store = _init_process_group(launch, host, device, settings, client)
         control = ControlChannel(launch.job_id, launch.rank, launch.generation, client,
                                  settings.control_poll_s, device, initial=launch.control)
-        recipe = cloudpickle.loads(launch.recipe)
-        assert recipe is not None
-        state = recipe.setup(ctx) or {}
-        for obj in state.values():
-            if isinstance(obj, torch.optim.Optimizer):
-                ctx.timer.attach_optimizer(obj)
-        skipped: list[tuple[int, str]] = []
+        work = cloudpickle.loads(launch.recipe)
         if launch.checkpoint is not None:
             ckpt = RankCheckpointing(
                 launch.checkpoint, rank=launch.rank, world_size=launch.world_size,
-                generation=launch.generation, job=launch.job_info or {}, state=state,
-                loader=ctx._loader,
+                generation=launch.generation, job=launch.job_info or {},
                 on_event=lambda kind, info: emitter.emit("checkpoint", phase=kind, **info))
-            ctx.step, skipped = ckpt.restore()
-        emitter.emit("rank_started", host=host, pid=os.getpid(), device=str(device),
-                     startup_s=time.perf_counter() - t0, start_step=ctx.step,
-                     skipped=[f"step {s}: {why}" for s, why in skipped])
-        injector = FaultInjector(launch.job_id, launch.rank, list(launch.faults))
-        outcome = _step_loop(launch, recipe, ctx, control, emitter, ckpt, injector)
+        stepper = Stepper(timer=ctx.timer, steps=launch.steps, control=control, emitter=emitter,
+                          checkpointing=ckpt,
+                          injector=FaultInjector(launch.job_id, launch.rank,
+                                                 list(launch.faults)),
+                          interval_s=settings.control_interval_s,
+                          halt_on_nonfinite=launch.halt_on_nonfinite)
+        driver = _Driver(ctx, stepper, ckpt, emitter, t0)
+        ctx._driver = driver
+        result: Any = None
+        with OutputForwarder(emitter, lines_per_s=settings.log_lines_per_s):
+            if isinstance(work, TrainFunction):
+                try:
+                    result = work.fn(ctx, dict(work.config))
+                    outcome = stepper.outcome or "completed"
+                except LoopEnded as ended:
+                    outcome = ended.outcome
+            else:
+                recipe = work
+                outcome = _recipe_loop(recipe, ctx, stepper, driver)
         summary: dict[str, Any] = {"rank": launch.rank, "step": ctx.step, "outcome": outcome}
-        if ckpt is not None:
+        if ckpt is not None and driver.started:
             plan = ckpt.plan
-            if outcome == "preempted" or plan.policy.on_stop:
+            if outcome == "preempted" or (plan.policy.on_stop and outcome != "halted"
+                                          and not stepper.tainted):
                 ckpt.save(ctx.step)
             final = ckpt.finish(timeout=plan.commit_timeout_s)
             summary["checkpoint_step"] = final.step if final else None
@@ -100,6 +109,8 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
                 raise RuntimeError(
                     f"preemption checkpoint at step {ctx.step} did not commit "
                     f"({summary['checkpoint_error']}); the job keeps its previous checkpoint")
+        if launch.rank == 0 and result is not None:
+            summary.update(_pickled_result(result, settings.result_max_bytes))
         emitter.emit("rank_finished", step=ctx.step, outcome=outcome)
         return summary
     except BaseException as exc:
@@ -132,63 +143,68 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
             emitter.flush()
 
 
-def _step_loop(launch: RankLaunch, recipe: Recipe, ctx: RankContext, control: ControlChannel,
-               emitter: EventEmitter, ckpt: RankCheckpointing | None,
-               injector: FaultInjector) -> str:
-    perf = time.perf_counter
-    timer = ctx.timer
-    interval_s = launch.settings.control_interval_s
-    next_agreement = ctx.step + 1
-    ema_step_s = 0.0
-    last_compute = 0.0
-    checkpoint_seq = 0
-    while ctx.step < launch.steps:
-        for fault in injector.poll(ctx.step + 1):
-            # A kill gives the event a moment to leave before the process dies; ``when`` is
-            # the moment of the kill, for the engine's detection latency.
-            delay = KILL_NOTICE_S if fault.kind == "kill" else 0.0
-            emitter.emit("fault_injected", fault=fault.to_dict(), step=ctx.step,
-                         when=time.time() + delay)
-            if delay:
-                time.sleep(delay)
-            injector.fire(fault)
-        t0 = perf()
-        timer.reset()
+class _Driver:
+    """Starts a rank's training loop: restores the newest checkpoint into what is tracked
+    (model, optimizer, data position, RNG), then announces the rank."""
+
+    def __init__(self, ctx: RankContext, stepper: Stepper, ckpt: RankCheckpointing | None,
+                 emitter: EventEmitter, t0: float) -> None:
+        self.ctx = ctx
+        self.stepper = stepper
+        self.ckpt = ckpt
+        self.emitter = emitter
+        self.t0 = t0
+        self.started = False
+
+    def start_loop(self) -> int:
+        ctx = self.ctx
+        step, skipped = 0, list[tuple[int, str]]()
+        if self.ckpt is not None:
+            self.ckpt.bind(ctx._state, ctx._loader)
+            step, skipped = self.ckpt.restore()
+        self.stepper.start(step)
+        self.started = True
+        self.emitter.emit("rank_started", host=ctx.host, pid=os.getpid(),
+                          device=str(ctx.device), startup_s=time.perf_counter() - self.t0,
+                          start_step=step, skipped=[f"step {s}: {why}" for s, why in skipped])
+        return step
+
+
+def _recipe_loop(recipe: Recipe, ctx: RankContext, stepper: Stepper, driver: _Driver) -> str:
+    """nbtrain's own loop around a ``Recipe``'s ``next_batch`` and ``step``."""
+    state = recipe.setup(ctx) or {}
+    for obj in state.values():
+        if isinstance(obj, torch.optim.Optimizer):
+            ctx.timer.attach_optimizer(obj)
+    # A recipe's state may also hold plain tensors and containers (the snapshotter copies
+    # them), so it is not validated like ctx.track's objects.
+    ctx._state.update(state)
+    ctx.step = driver.start_loop()
+    while stepper.begin():
         batch = recipe.next_batch(ctx)
-        t1 = perf()
-        if injector.slow_factor > 1.0:
-            injector.stretch(last_compute)  # inside the compute window: peers wait for us
+        stepper.batch_ready()
         metrics = recipe.step(ctx, batch) or {}
-        t2 = perf()
-        ctx.step += 1
-        requests = None
-        want_checkpoint = ckpt is not None and ckpt.deterministic_due(ctx.step)
-        if ctx.step >= next_agreement:
-            proposal = int(interval_s / ema_step_s) if ema_step_s > 0 else 1
-            due = ckpt is not None and ckpt.locally_due(ctx.step)
-            requests, interval = control.agree(proposal, due)
-            next_agreement = ctx.step + interval
-            if requests["due"] or requests["checkpoint"] > checkpoint_seq:
-                want_checkpoint = True
-                checkpoint_seq = requests["checkpoint"]
-        ending = requests is not None and (requests["stop"] or requests["preempt"])
-        if want_checkpoint and ckpt is not None and not ending:
-            ckpt.save(ctx.step)
-        t3 = perf()
-        step_s = t3 - t0
-        ema_step_s = step_s if ema_step_s == 0 else 0.9 * ema_step_s + 0.1 * step_s
-        comm = timer.comm_s
-        opt = timer.opt_s
-        compute = max(0.0, (t2 - t1) - comm - opt)
-        last_compute = compute if injector.slow_factor <= 1.0 else last_compute
-        row: list[Any] = [ctx.step, time.time(), step_s, t1 - t0, compute, comm, opt]
-        if metrics:
-            row.append({k: float(v) for k, v in metrics.items()})
-        emitter.step(row)
+        ending = stepper.end(metrics)
+        ctx.step = stepper.step
         if ending:
-            assert requests is not None
-            return "preempted" if requests["preempt"] else "stopped"
-    return "completed"
+            break
+    return stepper.outcome or "completed"
+
+
+def _pickled_result(result: Any, limit: int) -> dict[str, Any]:
+    """Rank 0's return value, pickled here so the controller carries it without unpickling
+    user objects in the scheduler's process."""
+    try:
+        data = cloudpickle.dumps(result)
+    except Exception as exc:
+        return {"result_error": f"the training function's return value cannot be pickled: "
+                                f"{type(exc).__name__}: {exc}"}
+    if len(data) > limit:
+        return {"result_error": (
+            f"the training function's return value is {len(data) / 1e6:.1f} MB pickled, over "
+            f"the {limit / 1e6:.0f} MB limit (Settings.result_max_bytes): save large objects "
+            "to storage and return their path")}
+    return {"result": data}
 
 
 def _device(kind: str = "") -> torch.device:

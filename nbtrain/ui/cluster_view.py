@@ -14,6 +14,7 @@ from typing import Any
 
 import ipywidgets as widgets
 
+from nbtrain.core.job import format_progress
 from nbtrain.ui.display import dashboard_hz, resolve_display
 from nbtrain.ui.poller import Poller
 
@@ -97,7 +98,7 @@ def jobs_html(jobs: list[dict[str, Any]]) -> str:
             "<th style='text-align:left'>reason</th></tr>")
     body = "".join(
         f"<tr><td>{html.escape(j['name'])}</td><td>{j['state']}</td>"
-        f"<td>{j['step']}/{j['steps']}</td><td>{j['world_size']}</td>"
+        f"<td>{format_progress(j['step'], j['steps'])}</td><td>{j['world_size']}</td>"
         f"<td>{j['priority']}</td><td>{html.escape(str(j['team']))}</td>"
         f"<td>{html.escape(str(j['owner']))}</td>"
         f"<td style='text-align:left'>{html.escape(j['reason'])}</td></tr>"
@@ -202,6 +203,7 @@ class ClusterText:
         for group, owners in groups.items():
             lines.append(f"{group}: " + " | ".join(owners))
         for j in self.jobs:
-            lines.append(f"job {j['name']}: {j['state']} step {j['step']}/{j['steps']} "
+            step = format_progress(j["step"], j["steps"])
+            lines.append(f"job {j['name']}: {j['state']} step {step} "
                          f"({j['world_size']} ranks, owner {j['owner']}): {j['reason']}")
         return "\n".join(lines) or "no slots"

@@ -18,6 +18,7 @@ import html
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, TextIO
 
@@ -76,6 +77,8 @@ class JobDashboard(widgets.VBox):
     ``start=False`` leaves refreshing to explicit :meth:`refresh` calls (tests, scripts).
     """
 
+    OUTPUT_LINES = 8  # recent output lines shown per rank
+
     def __init__(self, job: JobHandle, *, rate_hz: float | None = None,
                  lines_max_ranks: int = 8, window_steps: int = 600, max_points: int = 20_000,
                  alerts_shown: int = 8, start: bool = True) -> None:
@@ -116,6 +119,10 @@ class JobDashboard(widgets.VBox):
         self.resize_box = widgets.HBox(self._build_resize())
         self.extras = widgets.VBox()
         self.fault_panel = self._build_fault_panel()
+        #: The ranks' recent output, newest last, per rank (shown when there is any).
+        self.logs_panel = widgets.HTML()
+        self._recent_output: dict[int, deque[str]] = {}
+        self._output_index = 0
 
         self.checkpoint_panel.layout = widgets.Layout(width="38%", margin="0 12px 0 0")
         self.alerts_panel.layout = widgets.Layout(width="60%")
@@ -124,7 +131,7 @@ class JobDashboard(widgets.VBox):
                                           self.phase, self.plots]
         if self.fault_panel is not None:
             children.append(self.fault_panel)
-        children += [self.extras]
+        children += [self.logs_panel, self.extras]
         super().__init__(children=children)
         self.add_class("nbtrain-dashboard")
 
@@ -155,6 +162,9 @@ class JobDashboard(widgets.VBox):
         if new_events:
             self.step_plot.mark_slow(set(self.eventlog.stragglers))
             self.alerts_panel.value = self._alerts_html()
+        output, self._output_index = job.output_since(self._output_index)
+        if output:
+            self._add_output(output)
         self._poll_goodput()
         self.header.value = self._header_html()
         self.checkpoint_panel.value = (
@@ -175,6 +185,20 @@ class JobDashboard(widgets.VBox):
             poller.stop()
         super().close()
 
+    def _add_output(self, records: list[dict[str, Any]]) -> None:
+        from nbtrain.runtime.output import format_lines
+
+        for record, line in zip(records, format_lines(records), strict=True):
+            recent = self._recent_output.setdefault(int(record["rank"]),
+                                                    deque(maxlen=self.OUTPUT_LINES))
+            recent.append(line)
+        text = "\n".join(line for rank in sorted(self._recent_output)
+                         for line in self._recent_output[rank])
+        self.logs_panel.value = (
+            "<b>Output</b> <span style='color:#777'>(recent lines per rank; all with "
+            "job.logs())</span><pre class='nbtrain-logs' style='max-height:14em;overflow:auto;"
+            f"font-size:85%;margin:2px 0'>{html.escape(text)}</pre>")
+
     # -- panels -----------------------------------------------------------------------------
     def _header_html(self) -> str:
         job = self.job
@@ -183,7 +207,7 @@ class JobDashboard(widgets.VBox):
         restarts = getattr(job, "restarts", None)
         if not isinstance(restarts, int):
             restarts = self.eventlog.restarts
-        parts = [f"step {job.step}/{job.spec.steps}",
+        parts = [f"step {job.spec.progress(job.step)}",
                  f"generation {max(job.generation, 0)}",
                  f"world size {len(job.slots) or job.spec.world_size}",
                  f"restarts {restarts}"]
@@ -325,9 +349,10 @@ class JobDashboard(widgets.VBox):
 
 
 class TextProgress:
-    """Headless view: a progress line every ``interval_s`` and a line per alert, until the
-    job ends, printed from a daemon thread so ``job.wait()`` in a script or a papermill cell
-    does not hold it up (only text is written from that thread; no widget is involved)."""
+    """Headless view: a progress line every ``interval_s``, a line per alert and the ranks'
+    output (``[rank 1 g0] ...``), until the job ends, printed from a daemon thread so
+    ``job.wait()`` in a script or a papermill cell does not hold it up (only text is written
+    from that thread; no widget is involved)."""
 
     def __init__(self, job: JobHandle, *, interval_s: float | None = None,
                  out: TextIO | None = None, start: bool = True) -> None:
@@ -342,6 +367,7 @@ class TextProgress:
         self.eventlog = EventLog()
         self.lines = 0
         self._event_index = 0
+        self._output_index = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"nbtrain-progress-{job.name}")
@@ -374,6 +400,11 @@ class TextProgress:
         self._print(f"[{self.job.name}] {self.job.status.value}: {self.job.reason}")
 
     def _print_alerts(self) -> None:
+        from nbtrain.runtime.output import format_lines
+
+        output, self._output_index = self.job.output_since(self._output_index)
+        for line in format_lines(output):
+            self._print(line)
         events = self.job.events
         for event in events[self._event_index:]:
             alert = self.eventlog.add(event)

@@ -131,8 +131,9 @@ class EventLog:
             ck.last_error = _first_line(ev.get("error")) or "unknown error"
             if ck.in_flight_step == step:
                 ck.in_flight_step = ck.in_flight_phase = None
+            stage = f" during {ev['stage']}" if ev.get("stage") else ""
             return Alert(when, "error", "checkpoint",
-                         f"checkpoint of step {step} failed: {ck.last_error}")
+                         f"checkpoint of step {step} failed{stage}: {ck.last_error}")
         # snapshot / persisted: a checkpoint newer than the committed one is on its way
         if step is not None and (ck.committed_step is None or step > ck.committed_step):
             ck.in_flight_step = step
@@ -174,6 +175,15 @@ class EventLog:
         return Alert(when, "error", "fault",
                      f"fault: {ev.get('what', '?')} rank {ev.get('rank', '?')}{host} at step "
                      f"{ev.get('step', '?')}{detect}")
+
+    def _on_tracker(self, ev: dict[str, Any], when: float | None) -> Alert:
+        return Alert(when, "warn", "tracker", f"tracker: {ev.get('error', '?')}")
+
+    def _on_nonfinite(self, ev: dict[str, Any], when: float | None) -> Alert:
+        then = "; halting the job" if ev.get("halting") else ""
+        return Alert(when, "error", "nonfinite",
+                     f"rank {ev.get('rank', '?')} reported {ev.get('metric', '?')} = "
+                     f"{ev.get('value', '?')} at step {ev.get('step', '?')}{then}")
 
     def _on_fault_injected(self, ev: dict[str, Any], when: float | None) -> Alert:
         raw = ev.get("fault")

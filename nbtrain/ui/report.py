@@ -80,7 +80,7 @@ def summary(job: Any) -> Summary:
     items: list[tuple[str, str]] = [
         ("job", str(job.name)),
         ("state", f"{job.status.value}: {job.reason}"),
-        ("steps", f"{job.step} of {job.spec.steps}"),
+        ("steps", job.spec.progress(job.step).replace("/", " of ")),
         ("world size", str(job.spec.world_size)),
         ("generations", str(max(job.generation, 0) + 1)),
         ("restarts", str(getattr(job, "restarts", log.restarts))),

@@ -48,7 +48,7 @@ def static_plots(job: Any, *, max_lines: int = 8, max_points: int = 600) -> Stat
     ``max_lines``), loss and throughput of ``job`` (a JobHandle) as one SVG picture."""
     rows, _ = job.rows_since(0)
     return StaticPlots(render_svg(rows, title=f"nbtrain job {job.name}: "
-                                  f"{job.status.value}, step {job.step}/{job.spec.steps}",
+                                  f"{job.status.value}, step {job.spec.progress(job.step)}",
                                   max_lines=max_lines, max_points=max_points))
 
 

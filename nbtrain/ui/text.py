@@ -15,7 +15,7 @@ def progress_line(job: JobHandle) -> str:
     """One line: state, step, latest loss (and accuracy), recent steps/s."""
     rows, _ = job.rows_since(max(0, job.row_count - 400))
     main = [r for r in rows if r[RANK] == 0]
-    parts = [f"[{job.name}] {job.status.value:<9} step {job.step:>6}/{job.spec.steps}"]
+    parts = [f"[{job.name}] {job.status.value:<9} step {job.spec.progress(job.step):>6}"]
     if len(main) >= 2:
         span = main[-1][TIME] - main[0][TIME]
         if span > 0:

@@ -1,0 +1,300 @@
+"""Experiment trackers fed by the controller: TensorBoard event files and MLflow runs.
+
+``submit(..., trackers=["tensorboard:runs", "mlflow:http://mlflow:5000"])``. The controller,
+not the ranks, writes them (ranks need no credentials, and a tracker sees recoveries,
+preemptions and checkpoints, which ranks do not): every step of rank 0 (the metrics the job
+reports, ``train/<name>``, and the phase times, ``time/<phase>_s``), each committed checkpoint
+(``nbtrain/checkpoint_step``), each fault (``nbtrain/faults``, and an MLflow tag with its
+cause), and the job's end. One thread per tracked job does the I/O, off the scheduler's event
+loop.
+
+TensorBoard files are written here directly (TFRecord framing around ``Event`` protocol
+buffers holding scalar summaries): the controller must not import torch, and tensorboardX
+does. MLflow goes through ``mlflow-skinny`` (``pip install nbtrain[trackers]`` where the
+scheduler runs); its local file store (``mlflow:file:///path``) is in maintenance mode upstream
+and is enabled for these runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import struct
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from nbtrain.core.records import JOB_ROW_COLUMNS, METRICS, RANK, STEP, TIME
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TrackerSink", "TrackerSpec", "parse_trackers"]
+
+KINDS = ("tensorboard", "mlflow")
+#: Positions of the phase times in a job row.
+_TIME_COLUMNS = [(i, name) for i, name in enumerate(JOB_ROW_COLUMNS) if name.endswith("_s")]
+
+
+@dataclass(frozen=True)
+class TrackerSpec:
+    kind: str  # "tensorboard" | "mlflow"
+    target: str  # a log directory, or an MLflow tracking URI
+    experiment: str = ""  # MLflow experiment name (default "nbtrain")
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"tracker kind must be one of {', '.join(KINDS)}, got "
+                             f"{self.kind!r}: e.g. 'tensorboard:runs' or 'mlflow:file:///mlruns'")
+        if not self.target:
+            raise ValueError(f"the {self.kind} tracker needs a target: 'tensorboard:LOGDIR' or "
+                             "'mlflow:TRACKING_URI'")
+
+
+def parse_trackers(items: Sequence[str | TrackerSpec] | None) -> list[TrackerSpec]:
+    """``"tensorboard:runs"``, ``"mlflow:file:///tmp/mlruns"`` or ``TrackerSpec``s; local
+    paths made absolute (the controller may run in another directory)."""
+    out = []
+    for item in items or ():
+        spec = item if isinstance(item, TrackerSpec) else TrackerSpec(*_split(str(item)))
+        target = spec.target
+        if spec.kind == "tensorboard" and "://" not in target:
+            target = str(Path(target).expanduser().resolve())
+        elif spec.kind == "mlflow" and target.startswith("file:") and not target.startswith(
+                "file:///"):
+            target = "file://" + str(Path(target[5:].lstrip("/") if target[5:7] != "//"
+                                          else target[7:]).expanduser().resolve())
+        out.append(TrackerSpec(spec.kind, target, spec.experiment))
+    return out
+
+
+def _split(item: str) -> tuple[str, str]:
+    kind, sep, target = item.partition(":")
+    if not sep:
+        raise ValueError(f"a tracker is 'KIND:TARGET' (tensorboard:LOGDIR, "
+                         f"mlflow:TRACKING_URI), got {item!r}")
+    return kind, target
+
+
+# ============================================================================ writers
+class _Writer(Protocol):
+    def scalars(self, step: int, values: Mapping[str, float], wall: float) -> None: ...
+
+    def fault(self, step: int, index: int, cause: str, wall: float) -> None: ...
+
+    def close(self, state: str) -> None: ...
+
+
+class TensorBoardWriter:
+    """Scalars in a TensorBoard event file (``events.out.tfevents.*``) under ``logdir``."""
+
+    def __init__(self, logdir: str, run: str) -> None:
+        directory = Path(logdir) / run
+        directory.mkdir(parents=True, exist_ok=True)
+        now = time.time()
+        name = f"events.out.tfevents.{int(now)}.{socket.gethostname()}.{os.getpid()}.nbtrain"
+        self.path = directory / name
+        self._f = open(self.path, "ab")  # noqa: SIM115 (closed in close())
+        self._record(_field_double(1, now) + _field_bytes(3, b"brain.Event:2"))
+
+    def scalars(self, step: int, values: Mapping[str, float], wall: float) -> None:
+        summary = b"".join(_field_bytes(1, _field_bytes(1, tag.encode()) + _field_float(2, v))
+                           for tag, v in values.items())
+        self._record(_field_double(1, wall) + _field_varint(2, step) + _field_bytes(5, summary))
+
+    def fault(self, step: int, index: int, cause: str, wall: float) -> None:
+        self.scalars(step, {"nbtrain/faults": float(index)}, wall)
+
+    def close(self, state: str) -> None:
+        self._f.flush()
+        self._f.close()
+
+    def _record(self, data: bytes) -> None:
+        header = struct.pack("<Q", len(data))
+        self._f.write(header + struct.pack("<I", _masked_crc(header)) + data
+                      + struct.pack("<I", _masked_crc(data)))
+        self._f.flush()
+
+
+class MLflowWriter:
+    """One MLflow run per job: params from the job's spec, metrics per step, faults as tags."""
+
+    def __init__(self, uri: str, experiment: str, run: str, params: Mapping[str, Any]) -> None:
+        if uri.startswith("file:"):
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        from mlflow.tracking import MlflowClient
+
+        self._client = MlflowClient(tracking_uri=uri)
+        name = experiment or "nbtrain"
+        found = self._client.get_experiment_by_name(name)
+        exp_id = found.experiment_id if found is not None else self._client.create_experiment(
+            name)
+        self.run_id = self._client.create_run(exp_id, run_name=run).info.run_id
+        from mlflow.entities import Param
+
+        self._client.log_batch(self.run_id, params=[Param(str(k), str(v)[:500])
+                                                    for k, v in params.items()])
+
+    def scalars(self, step: int, values: Mapping[str, float], wall: float) -> None:
+        from mlflow.entities import Metric
+
+        ms = int(wall * 1000)
+        self._client.log_batch(self.run_id, metrics=[
+            Metric(tag.replace("/", "."), float(v), ms, step) for tag, v in values.items()])
+
+    def fault(self, step: int, index: int, cause: str, wall: float) -> None:
+        self.scalars(step, {"nbtrain/faults": float(index)}, wall)
+        self._client.set_tag(self.run_id, f"nbtrain.fault.{index}", cause[:5000])
+
+    def close(self, state: str) -> None:
+        status = {"SUCCEEDED": "FINISHED", "FAILED": "FAILED"}.get(state, "KILLED")
+        self._client.set_terminated(self.run_id, status)
+
+
+# ============================================================================ the sink
+class TrackerSink:
+    """Feeds one job's trackers from a thread of its own (the controller only enqueues)."""
+
+    def __init__(self, specs: Sequence[TrackerSpec], run: str, params: Mapping[str, Any],
+                 on_error: Any = None) -> None:
+        self.specs = list(specs)
+        self.run = run
+        self.params = dict(params)
+        self.on_error = on_error  # called with a message when a tracker fails
+        self._queue: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self._faults = 0
+        self._thread = threading.Thread(target=self._run, name=f"nbtrain-trackers-{run}",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- called on the controller's event loop: enqueue only --------------------------------
+    def rows(self, rows: Sequence[Sequence[Any]]) -> None:
+        """Job rows (``JOB_ROW_COLUMNS``); rank 0's are written."""
+        mine = [r for r in rows if int(r[RANK]) == 0]
+        if mine:
+            self._queue.put(("rows", mine))
+
+    def event(self, event: Mapping[str, Any]) -> None:
+        kind = event.get("kind")
+        if kind == "checkpoint" and event.get("phase") == "committed":
+            self._queue.put(("scalars", int(event["step"]),
+                             {"nbtrain/checkpoint_step": float(event["step"])},
+                             float(event.get("time", time.time()))))
+        elif kind == "fault":
+            self._queue.put(("fault", int(event.get("step", 0)), str(event.get("cause", "")),
+                             float(event.get("time", time.time()))))
+        elif kind == "state" and event.get("state") in ("SUCCEEDED", "FAILED", "CANCELLED"):
+            self._queue.put(("end", str(event["state"])))
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until everything enqueued is written and the writers are closed (tests)."""
+        self._thread.join(timeout)
+
+    # -- the thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        writers: list[_Writer] = []
+        for spec in self.specs:
+            try:
+                writers.append(self._open(spec))
+            except Exception as exc:
+                self._error(f"{spec.kind} tracker at {spec.target} could not start: "
+                            f"{type(exc).__name__}: {exc}")
+        while True:
+            item = self._queue.get()
+            if item[0] == "end":
+                for w in writers:
+                    self._safely(w, "close", item[1])
+                return
+            for w in writers:
+                if item[0] == "rows":
+                    for row in item[1]:
+                        self._safely(w, "scalars", *_row_scalars(row))
+                elif item[0] == "scalars":
+                    self._safely(w, "scalars", item[1], item[2], item[3])
+                elif item[0] == "fault":
+                    self._faults += 1
+                    self._safely(w, "fault", item[1], self._faults, item[2], item[3])
+
+    def _open(self, spec: TrackerSpec) -> _Writer:
+        if spec.kind == "tensorboard":
+            return TensorBoardWriter(spec.target, self.run)
+        return MLflowWriter(spec.target, spec.experiment, self.run, self.params)
+
+    def _safely(self, writer: _Writer, method: str, *args: Any) -> None:
+        try:
+            getattr(writer, method)(*args)
+        except Exception as exc:  # a tracker's failure never touches the job
+            self._error(f"{type(writer).__name__}.{method} failed: {type(exc).__name__}: "
+                        f"{exc}")
+
+    def _error(self, message: str) -> None:
+        logger.warning("nbtrain trackers of %s: %s", self.run, message)
+        if self.on_error is not None:
+            self.on_error(message)
+
+
+def _row_scalars(row: Sequence[Any]) -> tuple[int, dict[str, float], float]:
+    values = {f"time/{name}": float(row[i]) for i, name in _TIME_COLUMNS}
+    if len(row) > METRICS and isinstance(row[METRICS], Mapping):
+        values.update({f"train/{k}": float(v) for k, v in row[METRICS].items()})
+    return int(row[STEP]), values, float(row[TIME])
+
+
+# ============================================================================ protobuf + crc
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    n &= (1 << 64) - 1
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _field_varint(field: int, value: int) -> bytes:
+    return _varint(field << 3) + _varint(value)
+
+
+def _field_double(field: int, value: float) -> bytes:
+    return _varint((field << 3) | 1) + struct.pack("<d", value)
+
+
+def _field_float(field: int, value: float) -> bytes:
+    return _varint((field << 3) | 5) + struct.pack("<f", value)
+
+
+def _field_bytes(field: int, value: bytes) -> bytes:
+    return _varint((field << 3) | 2) + _varint(len(value)) + value
+
+
+def _crc32c_table() -> list[int]:
+    table = []
+    for i in range(256):
+        crc = i
+        for _ in range(8):
+            crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
+        table.append(crc)
+    return table
+
+
+_CRC_TABLE = _crc32c_table()
+
+
+def crc32c(data: bytes) -> int:
+    """CRC-32C (Castagnoli), as TFRecord files use."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc = _CRC_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+def _masked_crc(data: bytes) -> int:
+    crc = crc32c(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF

@@ -1,0 +1,135 @@
+"""The step boundary: everything nbtrain does on a rank between two training steps.
+
+Both ways of writing training drive the same object, so both get the same timing, control,
+checkpoints and fault injection:
+
+- a ``Recipe``: nbtrain's loop calls ``begin()``, ``recipe.next_batch``, ``batch_ready()``,
+  ``recipe.step``, ``end(metrics)``;
+- a training function: iterating ``ctx.batches(...)`` (or ``ctx.steps()``) calls the same
+  methods around each ``yield``.
+
+``begin()`` fires planned faults and starts the step's clock; ``batch_ready()`` ends the data
+wait; ``end(metrics)`` counts the step, agrees with the other ranks on control requests at the
+agreed steps (stop, preempt, checkpoint, halt), takes a checkpoint when due, and emits the
+step's row. The loop ends when ``begin()`` says the step budget is spent ("completed") or
+``end()`` says a request ends it ("stopped", "preempted", "halted"); ``outcome`` says which.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from nbtrain.runtime.checkpointing import RankCheckpointing
+from nbtrain.runtime.control import ControlChannel
+from nbtrain.runtime.events import EventEmitter
+from nbtrain.runtime.faults import FaultInjector
+from nbtrain.runtime.timing import PhaseTimer
+
+__all__ = ["KILL_NOTICE_S", "Stepper"]
+
+#: Seconds between announcing an injected kill and doing it (so the event leaves first).
+KILL_NOTICE_S = 0.2
+
+
+class Stepper:
+    """Per-step mechanics of one rank (see the module docstring)."""
+
+    def __init__(self, *, timer: PhaseTimer, steps: int | None, control: ControlChannel,
+                 emitter: EventEmitter, checkpointing: RankCheckpointing | None,
+                 injector: FaultInjector, interval_s: float,
+                 halt_on_nonfinite: bool = False) -> None:
+        self.timer = timer
+        self.steps = steps
+        self.control = control
+        self.emitter = emitter
+        self.ckpt = checkpointing
+        self.injector = injector
+        self.interval_s = interval_s
+        self.step = 0
+        self.outcome: str | None = None
+        self.in_step = False
+        self._next_agreement = 1
+        self._ema_step_s = 0.0
+        self._last_compute = 0.0
+        self._checkpoint_seq = 0
+        self._t0 = self._t1 = 0.0
+        self.halt_on_nonfinite = halt_on_nonfinite
+        #: A reported metric was NaN/inf: under halt_on_nonfinite nothing is saved from then
+        #: on (the controller's halt arrives at the next agreement, a few steps later).
+        self.tainted = False
+
+    def start(self, step: int) -> None:
+        """The loop starts at ``step`` (0, or the restored checkpoint's step)."""
+        self.step = step
+        self._next_agreement = step + 1
+
+    def begin(self) -> bool:
+        """Start the next step; False (outcome "completed") when the step budget is spent."""
+        if self.steps is not None and self.step >= self.steps:
+            self.outcome = "completed"
+            return False
+        for fault in self.injector.poll(self.step + 1):
+            delay = KILL_NOTICE_S if fault.kind == "kill" else 0.0
+            # ``when`` is the moment of the kill, for the controller's detection latency.
+            self.emitter.emit("fault_injected", fault=fault.to_dict(), step=self.step,
+                              when=time.time() + delay)
+            if delay:
+                time.sleep(delay)
+            self.injector.fire(fault)
+        self._t0 = time.perf_counter()
+        self.timer.reset()
+        self.in_step = True
+        return True
+
+    def batch_ready(self) -> None:
+        """The step's batch is here: the data wait ends, the compute begins."""
+        self._t1 = time.perf_counter()
+        if self.injector.slow_factor > 1.0:
+            self.injector.stretch(self._last_compute)  # inside the compute window
+
+    def end(self, metrics: dict[str, Any] | None = None) -> bool:
+        """The step's work is done. True when the loop must end (``outcome`` says why)."""
+        perf = time.perf_counter
+        t2 = perf()
+        self.in_step = False
+        self.step += 1
+        step = self.step
+        ckpt = self.ckpt
+        requests = None
+        want_checkpoint = ckpt is not None and ckpt.deterministic_due(step)
+        if step >= self._next_agreement:
+            ema = self._ema_step_s
+            proposal = int(self.interval_s / ema) if ema > 0 else 1
+            due = ckpt is not None and ckpt.locally_due(step)
+            requests, interval = self.control.agree(proposal, due)
+            self._next_agreement = step + interval
+            if requests["due"] or requests["checkpoint"] > self._checkpoint_seq:
+                want_checkpoint = True
+                self._checkpoint_seq = requests["checkpoint"]
+        ending = requests is not None and bool(
+            requests["stop"] or requests["preempt"] or requests["halt"])
+        if self.halt_on_nonfinite and metrics and not self.tainted:
+            self.tainted = not all(math.isfinite(float(v)) for v in metrics.values())
+        if want_checkpoint and ckpt is not None and not ending and not self.tainted:
+            ckpt.save(step)
+        t3 = perf()
+        step_s = t3 - self._t0
+        self._ema_step_s = step_s if self._ema_step_s == 0 else (
+            0.9 * self._ema_step_s + 0.1 * step_s)
+        comm = self.timer.comm_s
+        opt = self.timer.opt_s
+        compute = max(0.0, (t2 - self._t1) - comm - opt)
+        if self.injector.slow_factor <= 1.0:
+            self._last_compute = compute
+        row: list[Any] = [step, time.time(), step_s, self._t1 - self._t0, compute, comm, opt]
+        if metrics:
+            row.append({k: float(v) for k, v in metrics.items()})
+        self.emitter.step(row)
+        if ending:
+            assert requests is not None
+            self.outcome = ("halted" if requests["halt"] else
+                            "preempted" if requests["preempt"] else "stopped")
+            return True
+        return False
