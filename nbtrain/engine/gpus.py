@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from nbtrain.config import Settings
 from nbtrain.core.gpu_topology import worker_gpu_labels
+from nbtrain.engine.workers import nvidia_driver_present
 
 __all__ = ["embedded_gpus", "gpu_labels", "local_gpus", "parse_visible_devices"]
 
@@ -44,6 +45,8 @@ def local_gpus() -> list[str]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return parse_visible_devices(visible)
+    if not nvidia_driver_present():
+        return []
     from nbtrain.runtime.nvml import discover
 
     found = discover(socket.gethostname())
@@ -78,12 +81,14 @@ def embedded_gpus(gpus: bool | Sequence[str] | None, n_workers: int | None) -> l
 
 def gpu_labels(settings: Settings) -> dict[str, str]:
     """Runs on a worker: the labels of the GPU it runs on (empty on a CPU worker)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible == "" or not nvidia_driver_present():
+        return {}
     from nbtrain.runtime.nvml import discover
 
     host = settings.worker_host or socket.gethostname()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     found = discover(host)
-    if found is None and visible != "" and os.path.exists("/dev/nvidiactl"):
+    if found is None:
         # An NVIDIA driver but neither nvidia-ml-py nor nvidia-smi: still a GPU slot (or its
         # ranks would train on the CPU), with the NVLink domain left to labels.
         return _labels_from_torch(settings.worker_nvlink)
