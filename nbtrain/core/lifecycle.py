@@ -260,6 +260,14 @@ class JobMachine:
     def _slot_kind(self, slot: Hashable) -> str:
         return GPU if self.inventory.record(str(slot)).gpu else CPU
 
+    def _slot_counts(self, kind: str) -> tuple[int, int]:
+        """(slots ever seen, slots restarting) of ``kind``; counted by kind only where kinds
+        mix, so a one-kind cluster pays what it paid before."""
+        if self.sched is None or self.sched.kinds() in ([], [kind]):
+            return len(self.inventory.records()), len(self._restarting)
+        return (sum(1 for r in self.inventory.records() if self._slot_kind(r.slot) == kind),
+                sum(1 for s in self._restarting if self._slot_kind(s) == kind))
+
     def _unit(self, kind: str) -> str:
         """"slots" on a cluster of one kind; "GPU slots" / "CPU slots" where kinds mix or the
         job's kind has no slot yet."""
@@ -335,9 +343,8 @@ class JobMachine:
             head_name, head_why = heads.get(kind, ("", ""))
             if not head_name:
                 free, online = self.sched.free_of(kind), self.sched.online_of(kind)
-                restarting = sum(1 for s in self._restarting if self._slot_kind(s) == kind)
-                offline = sum(1 for r in self.inventory.records()
-                              if self._slot_kind(r.slot) == kind) - online - restarting
+                total, restarting = self._slot_counts(kind)
+                offline = total - online - restarting
                 away = ", ".join(f"{n} {what}" for n, what in ((restarting, "restarting"),
                                                              (offline, "offline")) if n)
                 away = f" ({away})" if away else ""
@@ -360,7 +367,7 @@ class JobMachine:
     # ================================================================== workers
     def _on_worker_joined(self, ev: WorkerJoined) -> None:
         sharing = next((r for r in self.inventory.records()
-                        if ev.gpu and r.gpu == ev.gpu and r.address is not None), None)
+                        if r.gpu == ev.gpu and r.address is not None), None) if ev.gpu else None
         if sharing is not None and sharing.address != ev.address:
             # Two workers on one GPU: ranks on both would share it by accident.
             self._publish_cluster({
