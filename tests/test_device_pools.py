@@ -247,3 +247,20 @@ def test_cluster_topology_shows_hosts_domains_and_gpus() -> None:
     assert "    NVLink domain ws-a6000/nvl1 (declared): 2 slot(s)" in lines
     assert any(line.strip().startswith("ws-a6000#0  free  GPU-") for line in lines)
     assert "<table>" in view._repr_html_()
+
+
+def test_labels_that_make_no_topology_keep_the_worker_out() -> None:
+    clique = "clique:7c1e0a2b-3f4d-4e8a-9b61-2d5f0c9e4a17/32766"
+    h = MixedHarness(workers=0)
+    first = f"tcp://t01:{h.next_port}"
+    h.feed(WorkerJoined, first, "t01", "", clique, "leaf-a", "GPU-aaaaaaaa-0000-0000-0000-0")
+    # The same NVLink clique under another leaf switch: no topology can hold both.
+    second = f"tcp://t02:{h.next_port + 1}"
+    h.feed(WorkerJoined, second, "t02", "", clique, "leaf-b", "GPU-bbbbbbbb-0000-0000-0000-0")
+    [refused] = [c.event for c in h.of(Publish)
+                 if c.job_id is None and c.event.get("what") == "refused"]
+    assert refused["address"] == second and "spans leaf switches" in refused["reason"]
+    assert [s["address"] for s in h.m.slots() if s["state"] == "free"] == [first]
+    h.submit_on("a", "gpu", world_size=1)
+    [launch] = h.launches("a")
+    assert launch.addresses == (first,)

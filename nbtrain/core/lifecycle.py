@@ -388,8 +388,20 @@ class JobMachine:
         self._offline.discard(rec.slot)
         nvlink: dict[Hashable, str] = {rec.slot: rec.nvlink} if rec.nvlink else {}
         leaf = {rec.host: rec.leaf} if rec.leaf else {}
-        self._sched(WorkersAdded(self.now, {rec.host: (rec.slot,)}, nvlink_of=nvlink,
-                                 leaf_of=leaf))
+        try:
+            self._sched(WorkersAdded(self.now, {rec.host: (rec.slot,)}, nvlink_of=nvlink,
+                                     leaf_of=leaf))
+        except ValueError as exc:
+            # Labels that make no topology (a multi-host NVLink domain across leaf switches,
+            # a host split between such a domain and others): the topology is unchanged,
+            # so keep the worker out rather than stop the controller.
+            self.inventory.leave(ev.address)
+            self._offline.add(rec.slot)
+            self._publish_cluster({
+                "kind": "worker", "what": "refused", "address": ev.address, "host": ev.host,
+                "reason": f"its labels (NVLink domain {ev.nvlink or ev.host!r}, leaf "
+                          f"{ev.leaf!r}) do not fit the cluster's topology: {exc}"})
+            return
         if first:
             pending, self._pending = self._pending, []
             for job_id in pending:
