@@ -23,6 +23,10 @@ Two ranks (torch.multiprocessing, gloo), each holding a model + Adam state of ab
       ``slowdown_during_persist_ws2`` is the same figure with both ranks training and
       persisting at once on the same cores (includes CPU oversubscription on 2 cores).
 
+On a machine with CUDA the JSON also holds ``gpu``: the same state on one GPU, snapshot into
+pinned buffers vs the device-to-host memcpy floor and DCP ``async_save``
+(``benchmarks/_checkpoint_gpu.py``); ``--no-gpu`` skips it.
+
 Times are medians over repeats; the table shows the ratios the issue asks for. The last stdout
 line is one JSON object. Run: ``python benchmarks/checkpoint.py --quick``.
 """
@@ -288,6 +292,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="about a minute on two cores")
     p.add_argument("--dir", default=None, help="local directory for the files (default: tmp)")
+    p.add_argument("--no-gpu", action="store_true", help="skip the GPU figures")
     args = p.parse_args()
     # width 2048, depth 3: 12.6 M params -> 50 MB weights + 100 MB Adam moments.
     args.width, args.depth = (2048, 3) if args.quick else (2048, 4)
@@ -300,12 +305,20 @@ def main() -> None:
         tmp.spawn(rank_main, args=(args, root, free_port()), nprocs=WORLD, join=True)
         with open(f"{root}/result.json") as f:
             ranks = json.load(f)
+        gpu = None
+        if torch.cuda.is_available() and not args.no_gpu:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            from _checkpoint_gpu import device_figures
+
+            gpu = device_figures(torch.device("cuda", 0), args.width, args.depth, args.reps,
+                                 root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    report(ranks, args, time.perf_counter() - t0)
+    report(ranks, args, time.perf_counter() - t0, gpu)
 
 
-def report(ranks: list[dict[str, Any]], args: argparse.Namespace, wall: float) -> None:
+def report(ranks: list[dict[str, Any]], args: argparse.Namespace, wall: float,
+           gpu: dict[str, Any] | None = None) -> None:
     def worst(key: str) -> float:
         return max(float(r[key]) for r in ranks)
 
@@ -344,6 +357,7 @@ def report(ranks: list[dict[str, Any]], args: argparse.Namespace, wall: float) -
         "loadavg_1m_at_end": os.getloadavg()[0],
         "torch": torch.__version__,
         "wall_s": wall,
+        "gpu": gpu,
     }
     rows = [
         ("state (model + Adam), MB per rank", f"{fig['state_mb']:.1f}", ""),
@@ -379,6 +393,10 @@ def report(ranks: list[dict[str, Any]], args: argparse.Namespace, wall: float) -
     print(f"checkpoint benchmark: world size {WORLD}, {cpus} CPUs, torch {torch.__version__}")
     for name, val, note in rows:
         print(f"  {name:<40} {val:>12}   {note}")
+    if gpu is not None:
+        from _checkpoint_gpu import print_rows
+
+        print_rows(gpu)
     print(json.dumps(fig))
 
 

@@ -43,6 +43,10 @@ class Settings:
     #: After the first rank fails, how long the other ranks get to exit before their tasks are
     #: cancelled and their workers restarted.
     failure_grace_s: float = 10.0
+    #: How often a rank on a GPU samples its GPU's health through NVML (clocks, throttle
+    #: reasons, temperature, power, ECC, XID) for straggler verdicts; 0 = never. Needs
+    #: nvidia-ml-py (``pip install nbtrain[gpu]``) on the workers.
+    device_sample_s: float = 10.0
     #: Torch intra-op threads per rank on CPU; 0 = the host's cores divided among its slots.
     rank_threads: int = 0
     #: Quiet Dask's own background work on embedded workers: the statistical profiler off and

@@ -24,8 +24,10 @@ def wait_for(cond: Callable[[], object], timeout: float = 60.0, what: str = "con
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[nbtrain.Cluster]:
-    """A real embedded LocalCluster with two worker processes, shared by the session."""
-    with nbtrain.connect(n_workers=2) as c:
+    """A real embedded LocalCluster with two worker processes, shared by the session (CPU
+    workers even on a GPU machine: these tests' recipes train on the CPU with gloo; the GPU
+    tests in test_gpu.py make their own cluster)."""
+    with nbtrain.connect(n_workers=2, gpus=False) as c:
         yield c
 
 

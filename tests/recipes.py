@@ -70,6 +70,17 @@ class Regression(nbtrain.Recipe):
             torch.save(module.state_dict(), Path(self.out_dir) / f"rank{ctx.rank}.pt")
 
 
+class GpuRegression(Regression):
+    """``Regression`` on the rank's GPU (the loader's batches arrive on ``ctx.device``); the
+    parameters are saved from the CPU so the test compares them with the CPU reference."""
+
+    def teardown(self, ctx: nbtrain.RankContext) -> None:
+        if self.out_dir is not None:
+            module = self.model.module if hasattr(self.model, "module") else self.model
+            torch.save({k: v.cpu() for k, v in module.state_dict().items()},
+                       Path(self.out_dir) / f"rank{ctx.rank}.pt")
+
+
 def single_process_params(steps: int, batch: int = 32, lr: float = 0.05) -> dict[str, torch.Tensor]:
     """The same training as ``Regression`` on one process over the same global batches."""
     model = make_model()
@@ -92,6 +103,9 @@ def assert_params_equal(out_dir: str | Path, expected: dict[str, torch.Tensor],
             torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6)
 
 
+def what_the_worker_sees() -> tuple[int, str]:
+    """Run on a worker: how many CUDA devices it sees, and the UUID of its ``cuda:0``."""
+    return torch.cuda.device_count(), str(torch.cuda.get_device_properties(0).uuid)
 def regression_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> dict[str, Any]:
     """``Regression`` as a training function: the user's own loop over ``ctx.batches``."""
     model = ctx.prepare(make_model())

@@ -99,9 +99,9 @@ def test_at_most_one_checkpoint_in_flight() -> None:
     overlaps = []
     real = ck.snapshotter.snapshot
 
-    def snapshot(state: Any) -> Any:
+    def snapshot(state: Any, **kwargs: Any) -> Any:
         overlaps.append(store.writing)  # the buffers are reused: no write may be running
-        return real(state)
+        return real(state, **kwargs)
 
     draining = threading.Event()
     real_drain = ck._drain
@@ -302,3 +302,36 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     train(model, opt, sched, n, n)
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, expected[k], rtol=0, atol=1e-6)
+
+
+def test_the_writer_reads_a_snapshot_only_once_its_copies_are_done() -> None:
+    """On GPUs the snapshot's device-to-host copies are only queued when ``save`` returns; the
+    writer must wait for them (``Snapshot.wait``) before it reads the buffers. Gated here by
+    hand, as a CUDA event would gate it."""
+    import dataclasses
+
+    from nbtrain.runtime.snapshot import HostSnapshotter, Snapshot
+
+    copied = threading.Event()
+    asked: list[bool] = []
+
+    class Queued(HostSnapshotter):
+        def snapshot(self, state: Any, *, wait: bool = True) -> Snapshot:
+            asked.append(wait)
+            snap = super().snapshot(state, wait=wait)
+            return dataclasses.replace(snap, ready=lambda: copied.wait(60))
+
+    store = mem_store()
+    events, on_event = recorder()
+    ck = AsyncCheckpointer(store, rank=0, world_size=1, snapshotter=Queued(),
+                           on_event=on_event)
+    ck.save(1, {"x": torch.ones(3)})
+    assert asked == [False]  # the loop does not wait for the copies
+    # Nothing is persisted (however long we look) while the copies are in flight.
+    with pytest.raises(TimeoutError):
+        ck.wait(timeout=0.5)
+    assert store.committed() == [] and [k for k, _ in events] == ["snapshot"]
+    copied.set()
+    assert ck.wait(60) is not None and store.committed() == [1]
+    assert [k for k, _ in events] == ["snapshot", "persisted", "committed"]
+    ck.close(60)

@@ -191,6 +191,21 @@ def test_cuda_tensors_go_to_pinned_buffers() -> None:
     assert snap2.allocated_bytes == 0 and torch.equal(snap2.state["x"], x.cpu())
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_copies_run_on_a_side_stream_ordered_before_the_next_update() -> None:
+    x = torch.randn(64 * 1024 * 1024 // 4, device="cuda")  # 64 MB: the copy takes a while
+    expected = x.cpu()
+    s = HostSnapshotter()
+    snap = s.snapshot({"x": x}, wait=False)
+    # The loop goes on at once; its next in-place update is queued behind the copy.
+    x.mul_(0).add_(7)
+    snap.wait()
+    assert torch.equal(snap.state["x"], expected)
+    assert torch.equal(x.cpu(), torch.full_like(expected, 7.0))
+    assert s._streams and all(st != torch.cuda.current_stream(d) for d, st in s._streams.items())
+
+
 def test_load_state_puts_everything_back_in_place() -> None:
     model, opt, sched = trained()
     extra = torch.arange(3.0)

@@ -9,7 +9,8 @@ slot id; only the engine speaks addresses.
 
 A worker's host, NVLink domain and leaf switch come from its labels (declared for CPU
 clusters and teaching labs, discovered on GPU machines); the host defaults to the address's
-host and the NVLink domain to the host.
+host and the NVLink domain to the host. A GPU worker also names its GPU (UUID): a slot is
+that GPU, and a restarted worker takes back the slot of the GPU it runs on.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class WorkerInfo:
     name: str = ""
     nvlink: str = ""  # NVLink domain label; "" = the whole host
     leaf: str = ""  # leaf switch label; "" = one shared leaf
+    gpu: str = ""  # the UUID of the GPU it runs on; "" = a CPU worker
 
     def __post_init__(self) -> None:
         if not self.address or not self.host:
@@ -43,6 +45,7 @@ class SlotRecord:
     leaf: str
     name: str
     address: str | None  # None while offline
+    gpu: str = ""  # the GPU's UUID; "" = a CPU slot
 
 
 class Inventory:
@@ -59,7 +62,7 @@ class Inventory:
             return self._slots[self._by_address[worker.address]]
         offline = [r for r in self._slots.values()
                    if r.address is None and r.host == worker.host and r.nvlink == worker.nvlink
-                   and r.leaf == worker.leaf]
+                   and r.leaf == worker.leaf and r.gpu == worker.gpu]
         named = [r for r in offline if worker.name and r.name == worker.name]
         if named or offline:
             record = (named or sorted(offline, key=lambda r: _ordinal(r.slot)))[0]
@@ -69,7 +72,8 @@ class Inventory:
             n = self._per_host.get(worker.host, 0)
             self._per_host[worker.host] = n + 1
             record = SlotRecord(slot=f"{worker.host}#{n}", host=worker.host, nvlink=worker.nvlink,
-                                leaf=worker.leaf, name=worker.name, address=worker.address)
+                                leaf=worker.leaf, name=worker.name, address=worker.address,
+                                gpu=worker.gpu)
             self._slots[record.slot] = record
         self._by_address[worker.address] = record.slot
         return record

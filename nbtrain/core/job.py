@@ -51,6 +51,9 @@ class JobSpec:
     #: Automatic restarts allowed within ``restart_window_s`` before the job is FAILED.
     max_restarts: int = 3
     restart_window_s: float = 3600.0
+    #: ``"gpu"`` (GPU slots, NCCL), ``"cpu"`` (CPU slots, gloo) or ``"auto"``: GPU slots when
+    #: the cluster has any when the job is queued, else CPU slots.
+    device: str = "auto"
     #: A NaN or infinite reported metric: "alert" (say so at once) or "halt" (also stop the
     #: job, checkpointing nothing from that step on, so the newest committed checkpoint is
     #: the last good state).
@@ -80,6 +83,11 @@ class JobSpec:
             )
         if self.restart_window_s <= 0:
             raise ValueError(f"restart_window_s must be > 0, got {self.restart_window_s!r}")
+        if self.device not in ("auto", "gpu", "cpu"):
+            raise ValueError(
+                f"device must be 'auto', 'gpu' or 'cpu', got {self.device!r}: 'gpu' runs on "
+                "GPU slots only (NCCL), 'cpu' on CPU slots only (gloo)"
+            )
         if self.on_nonfinite not in ("alert", "halt"):
             raise ValueError(f"on_nonfinite must be 'alert' or 'halt', got "
                              f"{self.on_nonfinite!r}")

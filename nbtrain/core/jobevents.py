@@ -31,8 +31,9 @@ __all__ = [
     "state_event",
 ]
 
-#: Kinds the rank runtime emits (``steps`` carries step rows, see ``core.records``).
-RANK_KINDS = ("steps", "rank_started", "checkpoint", "fault_injected", "rank_failed",
+#: Kinds the rank runtime emits (``steps`` carries step rows, see ``core.records``; ``device``
+#: a GPU's NVML readings, kept for straggler verdicts and not logged).
+RANK_KINDS = ("steps", "device", "rank_started", "checkpoint", "fault_injected", "rank_failed",
               "rank_finished", "log")
 #: Kinds the job machine emits.
 CONTROLLER_KINDS = ("state", "fault", "recovery", "preemption", "straggler", "mitigation",

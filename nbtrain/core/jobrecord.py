@@ -52,7 +52,7 @@ class Generation:
     hang: dict[str, Any] | None = None  # set when the watchdog declared this generation hung
     injected: dict[str, Any] | None = None  # the last fault injected in this generation
     running: bool = False  # a step row arrived
-    released: bool = False  # failed ranks' workers restarted to free their peers
+    released: bool = False  # peers freed (failed ranks' workers restarted, or NCCL aborted)
     forced: bool = False  # preemption grace ran out: ranks stopped without their checkpoint
     nonfinite: set[str] = field(default_factory=set)  # metrics already reported non-finite
 

@@ -16,10 +16,12 @@ decisions into generations. What the machine adds is what the scheduler does not
   restart budget, else FAILED), then preemptions (by the user: PREEMPTED until ``resume``; by
   the scheduler or for a straggler's replacement: queued again), then completion.
 - **Failures.** A rank that raised, a worker that died, a generation with no progress (the
-  hang watchdog). Peers of a failed rank still blocked in a collective are released by
-  restarting the failed rank's worker after ``peer_release_s`` (gloo keeps its connections
-  open while DDP holds the group); ranks still running ``failure_grace_s`` after a failure
-  are stopped the same way. Every fault is recorded with one readable cause.
+  hang watchdog). Peers of a failed rank still blocked in a collective are released after
+  ``peer_release_s``: on CPU slots (gloo) by restarting the failed rank's worker (gloo keeps
+  its connections open while DDP holds the group), on GPU slots (NCCL) by aborting the
+  peers' communicators, which keeps their processes and CUDA contexts; ranks still running
+  ``failure_grace_s`` after a failure are stopped by restarting their workers. Every fault
+  is recorded with one readable cause.
 - **Slots whose workers restart.** A slot whose worker is asked to restart is offline for the
   scheduler until a worker backs it again; one that does not come back within
   ``worker_return_s`` is reported lost.
@@ -47,6 +49,7 @@ from nbtrain.core.jobevents import (
 )
 from nbtrain.core.jobrecord import Generation, JobStatus, LiveJob, Preemption, primary_failure
 from nbtrain.core.lifecycle_types import (
+    AbortCollectives,
     Cancel,
     Command,
     Deliver,
@@ -72,6 +75,7 @@ from nbtrain.core.lifecycle_types import (
 )
 from nbtrain.core.mitigation import ActionKind, SlotInfo
 from nbtrain.core.placement import Placement
+from nbtrain.core.pools import CPU, GPU, DevicePools
 from nbtrain.core.records import ROW_COLUMNS
 from nbtrain.core.sched_types import (
     Cancelled,
@@ -94,9 +98,7 @@ from nbtrain.core.sched_types import (
 )
 from nbtrain.core.sched_types import Event as SchedEvent
 from nbtrain.core.sched_types import Tick as SchedTick
-from nbtrain.core.scheduler import Scheduler
 from nbtrain.core.stragglerwatch import mitigation_event
-from nbtrain.core.topology import Topology
 
 __all__ = ["JobMachine", "SlotView"]
 
@@ -108,7 +110,8 @@ METRICS_AT = len(ROW_COLUMNS)
 
 class SlotView(dict[str, Any]):
     """A slot for display: ``slot``, ``host``, ``nvlink``, ``leaf``, ``address`` (None while
-    offline), ``state`` (free / held / restarting / offline) and ``job`` (the holder's id)."""
+    offline), ``state`` (free / held / restarting / offline), ``job`` (the holder's id),
+    ``device`` (``gpu`` or ``cpu``) and ``gpu`` (its GPU's UUID, "" for a CPU slot)."""
 
 
 class JobMachine:
@@ -118,7 +121,7 @@ class JobMachine:
                  scheduler: SchedulerConfig | None = None) -> None:
         self.config = config or MachineConfig()
         self.sched_config = replace(scheduler or SchedulerConfig(), can_grow=True)
-        self.sched: Scheduler | None = None  # made when the first worker joins
+        self.sched: DevicePools | None = None  # made when the first worker joins
         self.inventory = Inventory()
         self.health = HostHealth(self.config.host_failure_limit,
                                  self.config.host_failure_window_s, self.config.host_exclusion_s)
@@ -183,7 +186,7 @@ class JobMachine:
         """Every slot the cluster has had, with its state and holder."""
         owners: dict[Hashable, str | None] = {}
         if self.sched is not None:
-            owners = dict(zip(self.sched.topo.slot_ids, self.sched.owners(), strict=True))
+            owners = self.sched.owner_map()
         out = []
         for rec in self.inventory.records():
             holder = owners.get(rec.slot)
@@ -194,7 +197,8 @@ class JobMachine:
             else:
                 state = "held" if holder is not None else "free"
             out.append(SlotView(slot=rec.slot, host=rec.host, nvlink=rec.nvlink or rec.host,
-                                leaf=rec.leaf, address=rec.address, state=state, job=holder))
+                                leaf=rec.leaf, address=rec.address, state=state, job=holder,
+                                device=GPU if rec.gpu else CPU, gpu=rec.gpu))
         return out
 
     def team_usage(self) -> dict[str, float]:
@@ -229,16 +233,46 @@ class JobMachine:
             return
         if not spec.queue and job.gen is None:
             assert self.sched is not None
-            free, online = self.sched.n_free, self.sched.n_online
+            kind = self.sched.kind_of(job.id)
+            free, online = self.sched.free_of(kind), self.sched.online_of(kind)
             self._sched(Cancelled(self.now, job.id))
             self._reject(job, free, online)
 
     def _reject(self, job: LiveJob, free: int, online: int) -> None:
         del self._jobs[job.id]
+        unit = self._unit(self.sched.kind_of(job.id) if self.sched is not None else "")
         self._out.append(Rejected(job.id, (
-            f"job {job.name} needs {job.spec.world_size} slots at once but only {free} of the "
+            f"job {job.name} needs {job.spec.world_size} {unit} at once but only {free} of the "
             f"cluster's {online} are free (queue=False, so it is not queued): free slots, add "
             "workers, or submit with queue=True")))
+
+    def _job_kind(self, job_id: str) -> str:
+        """The device kind a job needs: its ``device``, or for ``auto`` GPU slots when the
+        cluster has any (asked once, when the job enters the gang scheduler)."""
+        device = self._jobs[job_id].spec.device
+        if device != "auto":
+            return device
+        return GPU if any(r.gpu for r in self.inventory.records()) else CPU
+
+    def _kind_of(self, job: LiveJob) -> str:
+        return self.sched.kind_of(job.id) if self.sched is not None else ""
+
+    def _slot_kind(self, slot: Hashable) -> str:
+        return GPU if self.inventory.record(str(slot)).gpu else CPU
+
+    def _slot_counts(self, kind: str) -> tuple[int, int]:
+        """(slots ever seen, slots restarting) of ``kind``; counted by kind only where kinds
+        mix, so a one-kind cluster pays what it paid before."""
+        if self.sched is None or self.sched.kinds() in ([], [kind]):
+            return len(self.inventory.records()), len(self._restarting)
+        return (sum(1 for r in self.inventory.records() if self._slot_kind(r.slot) == kind),
+                sum(1 for s in self._restarting if self._slot_kind(s) == kind))
+
+    def _unit(self, kind: str) -> str:
+        """"slots" on a cluster of one kind; "GPU slots" / "CPU slots" where kinds mix or the
+        job's kind has no slot yet."""
+        kinds = self.sched.kinds() if self.sched is not None else []
+        return "slots" if not kind or kinds == [kind] else f"{kind.upper()} slots"
 
     # ================================================================== the gang scheduler
     def _sched(self, event: SchedEvent) -> None:
@@ -291,37 +325,40 @@ class JobMachine:
         self._set_state(job, JobState.STARTING, f"generation {number}: {what}, "
                                                 f"{len(slots)} ranks")
         self._out.append(Launch(job.id, number, addresses, job.unfired_faults(),
-                                dict(gen.control)))
+                                dict(gen.control), device=self._kind_of(job)))
 
     def _explain_queue(self) -> None:
-        """Say why each queued job waits: the head of the queue needs more free slots than
-        there are; the others wait behind it."""
+        """Say why each queued job waits: the head of its kind's queue needs more free slots
+        than there are; the others wait behind it."""
         self._queue_dirty = False
         if self.sched is None:
             return
-        free, online = self.sched.n_free, self.sched.n_online
-        restarting = len(self._restarting)
-        offline = len(self.inventory.records()) - online - restarting
-        away = ", ".join(f"{n} {what}" for n, what in ((restarting, "restarting"),
-                                                     (offline, "offline")) if n)
-        away = f" ({away})" if away else ""
-        head_name, head_why = "", ""
+        heads: dict[str, tuple[str, str]] = {}  # device kind -> (head's name, why)
         for job_id in self.sched.queued():
             job = self._jobs.get(job_id)
             if job is None or job.state is not JobState.QUEUED:
                 continue
             need = job.spec.world_size
+            kind = self.sched.kind_of(job_id)
+            head_name, head_why = heads.get(kind, ("", ""))
             if not head_name:
+                free, online = self.sched.free_of(kind), self.sched.online_of(kind)
+                total, restarting = self._slot_counts(kind)
+                offline = total - online - restarting
+                away = ", ".join(f"{n} {what}" for n, what in ((restarting, "restarting"),
+                                                             (offline, "offline")) if n)
+                away = f" ({away})" if away else ""
+                unit = self._unit(kind)
                 if need > online:
-                    why = (f"needs {need} slots at once; the cluster has {online}{away}: "
+                    why = (f"needs {need} {unit} at once; the cluster has {online}{away}: "
                            "waiting for workers to join")
                 else:
-                    why = f"needs {need} slots at once; {free} of {online} free{away}"
+                    why = f"needs {need} {unit} at once; {free} of {online} free{away}"
                     releasing = [j.name for j in self._live.values()
                                  if j.preempt is not None and j.preempt.for_job == job.id]
                     if releasing:
                         why += f"; preempted {', '.join(releasing)} releasing its slots"
-                head_name, head_why = job.name, why
+                heads[kind] = (job.name, why)
             else:
                 why = f"waiting behind job {head_name} ({head_why})"
             reason = f"{job.queue_note}: {why}" if job.queue_note else why
@@ -329,28 +366,48 @@ class JobMachine:
 
     # ================================================================== workers
     def _on_worker_joined(self, ev: WorkerJoined) -> None:
+        sharing = next((r for r in self.inventory.records()
+                        if r.gpu == ev.gpu and r.address is not None), None) if ev.gpu else None
+        if sharing is not None and sharing.address != ev.address:
+            # Two workers on one GPU: ranks on both would share it by accident.
+            self._publish_cluster({
+                "kind": "worker", "what": "refused", "address": ev.address, "host": ev.host,
+                "reason": f"it runs on GPU {ev.gpu}, which worker {sharing.address} (slot "
+                          f"{sharing.slot}) already uses: start one worker per GPU, each "
+                          "with its own CUDA_VISIBLE_DEVICES (dask cuda worker does)"})
+            return
         rec = self.inventory.join(WorkerInfo(address=ev.address, host=ev.host, name=ev.name,
-                                             nvlink=ev.nvlink, leaf=ev.leaf))
+                                             nvlink=ev.nvlink, leaf=ev.leaf, gpu=ev.gpu))
         self._restarting.pop(rec.slot, None)
         self._publish_cluster({"kind": "worker", "what": "joined", "slot": rec.slot,
                                "address": ev.address, "host": rec.host})
+        first = self.sched is None
         if self.sched is None:
-            nvlink_of, leaf_of = self.inventory.labels()
-            topo = Topology.from_hosts(self.inventory.hosts(), leaf_of=leaf_of,
-                                       nvlink_of=nvlink_of)
-            self.sched = Scheduler(topo, self.sched_config)
-            self._queue_dirty = True
+            self.sched = DevicePools(self.sched_config, slot_kind=self._slot_kind,
+                                     job_kind=self._job_kind)
+        self._offline.discard(rec.slot)
+        nvlink: dict[Hashable, str] = {rec.slot: rec.nvlink} if rec.nvlink else {}
+        leaf = {rec.host: rec.leaf} if rec.leaf else {}
+        try:
+            self._sched(WorkersAdded(self.now, {rec.host: (rec.slot,)}, nvlink_of=nvlink,
+                                     leaf_of=leaf))
+        except ValueError as exc:
+            # Labels that make no topology (a multi-host NVLink domain across leaf switches,
+            # a host split between such a domain and others): the topology is unchanged,
+            # so keep the worker out rather than stop the controller.
+            self.inventory.leave(ev.address)
+            self._offline.add(rec.slot)
+            self._publish_cluster({
+                "kind": "worker", "what": "refused", "address": ev.address, "host": ev.host,
+                "reason": f"its labels (NVLink domain {ev.nvlink or ev.host!r}, leaf "
+                          f"{ev.leaf!r}) do not fit the cluster's topology: {exc}"})
+            return
+        if first:
             pending, self._pending = self._pending, []
             for job_id in pending:
                 job = self._jobs.get(job_id)
                 if job is not None and job.state is JobState.QUEUED:
                     self._admit(job)
-            return
-        self._offline.discard(rec.slot)
-        nvlink: dict[Hashable, str] = {rec.slot: rec.nvlink} if rec.nvlink else {}
-        leaf = {rec.host: rec.leaf} if rec.leaf else {}
-        self._sched(WorkersAdded(self.now, {rec.host: (rec.slot,)}, nvlink_of=nvlink,
-                                 leaf_of=leaf))
 
     def _on_worker_left(self, address: str) -> None:
         rec = self.inventory.leave(address)
@@ -416,6 +473,10 @@ class JobMachine:
             if current:
                 assert gen is not None
                 self._on_steps(job, gen, int(msg["rank"]), msg["rows"])
+            return
+        if kind == "device":  # GPU readings for straggler verdicts; too frequent for the log
+            if current:
+                job.stragglers.device(int(msg["rank"]), dict(msg.get("readings") or {}))
             return
         self._publish(job, msg)
         if kind == "checkpoint":
@@ -490,7 +551,7 @@ class JobMachine:
         assert self.sched is not None
         placement = {r: SlotInfo(s, self.inventory.host_of(s)) for r, s in enumerate(gen.slots)}
         spares = [SlotInfo(str(s), self.inventory.host_of(str(s)))
-                  for s in self.sched.free_slot_ids()]
+                  for s in self.sched.free_slot_ids(self._kind_of(job))]
         for action in job.stragglers.decide(self.now, job.step, placement, spares):
             event = mitigation_event(action)
             event["time"] = self.wall
@@ -552,10 +613,16 @@ class JobMachine:
                     self._force_end(job, gen)
                 elif waited > policy.peer_release_s and not gen.released:
                     gen.released = True
-                    self._restart_workers(
-                        [gen.addresses[r] for r, f in gen.failures.items()
-                         if not f.peer and not f.lost_worker],
-                        f"free the peers of job {job.name}'s failed rank")
+                    if self._kind_of(job) == GPU:  # NCCL has an abort; gloo does not
+                        self._out.append(AbortCollectives(
+                            job.id, gen.number, tuple(gen.addresses[r] for r in
+                                                      gen.unfinished(job.spec.world_size)),
+                            f"free the peers of job {job.name}'s failed rank"))
+                    else:
+                        self._restart_workers(
+                            [gen.addresses[r] for r, f in gen.failures.items()
+                             if not f.peer and not f.lost_worker],
+                            f"free the peers of job {job.name}'s failed rank")
             elif job.preempt is not None and self.now > job.preempt.deadline and not gen.failing:
                 self._force_release(job, gen)
             elif gen.running and job.state is JobState.RUNNING and gen.hang is None:

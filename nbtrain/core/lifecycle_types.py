@@ -16,6 +16,7 @@ from nbtrain.core.job import JobSpec
 from nbtrain.core.mitigation import MitigationSettings
 
 __all__ = [
+    "AbortCollectives",
     "Cancel",
     "Command",
     "Deliver",
@@ -146,6 +147,7 @@ class WorkerJoined:
     name: str = ""
     nvlink: str = ""
     leaf: str = ""
+    gpu: str = ""  # the UUID of the worker's GPU; "" = a CPU worker
 
 
 @dataclass(frozen=True)
@@ -180,13 +182,15 @@ Event = (Submitted | Request | RankMessage | RankExit | WorkerJoined | WorkerLef
 @dataclass(frozen=True)
 class Launch:
     """Start ``generation``: rank ``r`` on worker ``addresses[r]``. ``faults``: planned
-    faults not fired yet; ``control``: requests already standing (e.g. a checkpoint)."""
+    faults not fired yet; ``control``: requests already standing (e.g. a checkpoint);
+    ``device``: the slots' kind, ``gpu`` or ``cpu`` ("" = whatever the worker has)."""
 
     job_id: str
     generation: int
     addresses: tuple[str, ...]
     faults: tuple[Fault, ...]
     control: Mapping[str, int]
+    device: str = ""
 
 
 @dataclass(frozen=True)
@@ -211,6 +215,18 @@ class Deliver:
 class RestartWorkers:
     """Restart these workers through their nannies (their slots are offline meanwhile)."""
 
+    addresses: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class AbortCollectives:
+    """Abort the NCCL communicators of ``generation``'s ranks on these workers: a rank blocked
+    in a collective with a failed peer raises at once, and its process (and CUDA context)
+    stays warm for the next generation."""
+
+    job_id: str
+    generation: int
     addresses: tuple[str, ...]
     reason: str
 
@@ -257,4 +273,4 @@ class Rejected:
 
 
 Command = (Launch | SetControl | Deliver | RestartWorkers | Cancel | Diagnose | EndGeneration
-           | Publish | Rejected)
+           | Publish | Rejected | AbortCollectives)

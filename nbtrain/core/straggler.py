@@ -170,9 +170,9 @@ class Diagnosis:
     hint: str
     nvml: Mapping[str, float] | None = field(default=None, compare=False)
 
-    def with_nvml(self, readings: Mapping[str, float]) -> Diagnosis:
-        """A copy with device readings attached (the engine's job, on GPUs)."""
-        return dataclasses.replace(self, nvml=dict(readings))
+    def with_nvml(self, readings: Mapping[str, float], hint: str | None = None) -> Diagnosis:
+        """A copy with device readings attached (on GPUs), and the hint they point to."""
+        return dataclasses.replace(self, nvml=dict(readings), hint=hint or self.hint)
 
     def summary(self) -> str:
         """One line for an alert list or a log."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from nbtrain.core.gpu_health import device_errors, throttling
 from nbtrain.core.mitigation import (
     Action,
     ActionKind,
@@ -20,8 +21,8 @@ from nbtrain.core.mitigation import (
     SlotInfo,
     make_policy,
 )
-from nbtrain.core.records import StepRecord
-from nbtrain.core.straggler import StragglerDetector, StragglerSettings
+from nbtrain.core.records import Phase, StepRecord
+from nbtrain.core.straggler import Diagnosis, StragglerDetector, StragglerSettings, Verdict
 
 
 class StragglerWatch:
@@ -31,15 +32,35 @@ class StragglerWatch:
         mitigation = mitigation or MitigationSettings(policy=policy)
         self.detector = StragglerDetector(world_size, detector)
         self.policy = make_policy(mitigation)
+        self.devices: dict[int, dict[str, float]] = {}  # rank -> its GPU's latest readings
 
     def restart(self, world_size: int, start_step: int) -> list[dict[str, Any]]:
         """A new generation: forget history; returns 'cleared' events for open verdicts."""
-        return [_straggler_event(d.to_event())
-                for d in self.detector.reset(world_size, start_step=start_step)]
+        events = [_straggler_event(self._with_device(d).to_event())
+                  for d in self.detector.reset(world_size, start_step=start_step)]
+        self.devices = {}  # the new generation's ranks may sit on other GPUs
+        return events
 
     def observe(self, rank: int, rows: Iterable[list[Any]]) -> list[dict[str, Any]]:
         changes = self.detector.observe(StepRecord.from_row(rank, row) for row in rows)
-        return [_straggler_event(d.to_event()) for d in changes]
+        return [_straggler_event(self._with_device(d).to_event()) for d in changes]
+
+    def device(self, rank: int, readings: dict[str, float]) -> None:
+        """A rank's GPU readings (``device`` events, every ``device_sample_s``)."""
+        self.devices[rank] = {str(k): float(v) for k, v in readings.items()}
+
+    def _with_device(self, d: Diagnosis) -> Diagnosis:
+        readings = self.devices.get(d.rank)
+        if readings is None:
+            return d
+        if d.state is Verdict.CLEARED:
+            return d.with_nvml(readings)
+        found = device_errors(readings)
+        if d.phase in (Phase.COMPUTE, Phase.OPT):  # device work: a held-down clock explains it
+            peers = [r for k, r in self.devices.items() if k != d.rank]
+            slow = throttling(readings, peers)
+            found += [slow] if slow else []
+        return d.with_nvml(readings, hint="; ".join(found) or None)
 
     def decide(self, now: float, step: int, placement: dict[int, SlotInfo],
                spares: list[SlotInfo]) -> list[Action]:
@@ -51,7 +72,8 @@ class StragglerWatch:
 
     def update(self, **changes: Any) -> list[dict[str, Any]]:
         """Change detector thresholds (``StragglerSettings`` fields) while the job runs."""
-        return [_straggler_event(d.to_event()) for d in self.detector.update_settings(**changes)]
+        return [_straggler_event(self._with_device(d).to_event())
+                for d in self.detector.update_settings(**changes)]
 
 
 def _straggler_event(info: dict[str, Any]) -> dict[str, Any]:

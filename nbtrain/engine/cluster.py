@@ -33,9 +33,11 @@ from nbtrain.core.mitigation import MitigationSettings, make_policy
 from nbtrain.engine.checkpoints import job_url, resolve_resume
 from nbtrain.engine.controller import ClusterController
 from nbtrain.engine.embedded import EmbeddedCluster
+from nbtrain.engine.gpus import embedded_gpus
 from nbtrain.engine.job import JobHandle
 from nbtrain.engine.remote import Follower, Remote
 from nbtrain.engine.tokens import TokenStore
+from nbtrain.engine.topoview import TopologyView
 from nbtrain.engine.trackers import TrackerSpec, parse_trackers
 from nbtrain.engine.wire import plain, submission_to_wire
 from nbtrain.engine.workers import NbtrainWorker
@@ -108,6 +110,13 @@ class Cluster:
                       if s["address"] and s["state"] in ("free", "held"))
 
     @property
+    def topology(self) -> TopologyView:
+        """The slots by leaf switch, host and NVLink domain, with their GPUs (UUID, PCI bus
+        id) and where each domain came from (NVML, a multi-node NVLink clique, nvidia-smi,
+        or a declared label): what the gang scheduler places on."""
+        return TopologyView(self.snapshot()["slots"])
+
+    @property
     def free_slots(self) -> list[str]:
         return sorted(s["address"] for s in self.snapshot()["slots"] if s["state"] == "free")
 
@@ -168,6 +177,7 @@ class Cluster:
                restart_window_s: float = 3600.0,
                faults: list[Fault] | None = None,
                stragglers: str | MitigationSettings = "alert",
+               device: str = "auto",
                on_nonfinite: str = "alert",
                trackers: Sequence[str | TrackerSpec] | None = None) -> JobHandle:
         """Start a training job on ``world_size`` slots at once (gang), or queue it.
@@ -195,6 +205,8 @@ class Cluster:
         - ``stragglers``: mitigation policy, ``"alert"`` (report only) or ``"replace"``
           (restart the gang without a confirmed straggler's slot, with a cooldown), or a
           ``nbtrain.core.mitigation.MitigationSettings`` for cooldowns and exclusion scope.
+        - ``device``: ``"gpu"`` (GPU slots only; NCCL), ``"cpu"`` (CPU slots only; gloo) or
+          ``"auto"`` (GPU slots if the cluster has any, else CPU slots).
         - ``on_nonfinite``: a NaN or infinite reported metric raises an alert (``"alert"``),
           or also stops the job with nothing checkpointed from that step on (``"halt"``:
           the newest committed checkpoint stays the last good state; FAILED).
@@ -228,7 +240,7 @@ class Cluster:
                        world_size=world_size, steps=steps, queue=queue, seed=seed,
                        priority=priority, team=team, checkpoint=checkpoint, resume=resume,
                        max_restarts=max_restarts, restart_window_s=restart_window_s,
-                       on_nonfinite=on_nonfinite,
+                       on_nonfinite=on_nonfinite, device=device,
                        extra={"kind": "recipe" if is_recipe else "function"})
         parse_checkpoint_setting(spec.checkpoint)  # raises ValueError naming the fix
         payload = _pickle_recipe(work)
@@ -322,12 +334,15 @@ class Cluster:
 
 def connect(address: str | Client | None = None, *, n_workers: int | None = None,
             settings: Settings | None = None, operator_token: str | None = None,
-            security: Any = None, **cluster_kwargs: Any) -> Cluster:
+            security: Any = None, gpus: bool | Sequence[str] | None = None,
+            **cluster_kwargs: Any) -> Cluster:
     """Connect to a cluster of slots, starting nbtrain's controller there if needed.
 
     - ``connect()``: start an embedded ``LocalCluster`` on this machine's loopback interface
       (worker processes, one thread each, ``n_workers`` slots; by default one per core, 2 to
-      8), shut down with this process. This client is its operator.
+      8), shut down with this process. This client is its operator. On a machine with GPUs
+      there is one worker per visible GPU instead, each seeing only its own GPU
+      (``gpus=False``: CPU workers; ``gpus=["0", "2"]``: those GPUs).
     - ``connect("tcp://host:8786")``: an existing Dask scheduler (``"tls://..."`` with
       ``security=`` a ``distributed.Security``; an embedded cluster takes it too).
     - ``connect(client)``: an existing ``distributed.Client`` (left open on close), e.g. of a
@@ -347,7 +362,8 @@ def connect(address: str | Client | None = None, *, n_workers: int | None = None
     elif address is not None:
         raise TypeError(f"address must be a scheduler address, a Client or None, got {address!r}")
     else:
-        n = default_worker_count() if n_workers is None else n_workers
+        gpu_ids = embedded_gpus(gpus, n_workers)
+        n = len(gpu_ids) or (default_worker_count() if n_workers is None else n_workers)
         if n < 1:
             raise ValueError(f"n_workers must be >= 1, got {n}")
         token = token or secrets.token_hex(16)  # the embedded cluster's owner is its operator
@@ -356,18 +372,25 @@ def connect(address: str | Client | None = None, *, n_workers: int | None = None
                                   "silence_logs": logging.CRITICAL}
         if security is not None:
             kwargs["security"] = security
+        if gpus is False:
+            # CPU workers on a GPU machine: hide the GPUs, or each worker would report (and
+            # use) GPU 0.
+            kwargs["env"] = {"CUDA_VISIBLE_DEVICES": ""}
         kwargs.update(cluster_kwargs)
         with dask.config.set(config):
-            local = EmbeddedCluster(n_workers=n, threads_per_worker=1, processes=True, **kwargs)
+            local = EmbeddedCluster(n_workers=0 if gpu_ids else n, gpus=gpu_ids,
+                                    threads_per_worker=1, processes=True, **kwargs)
+            if gpu_ids:
+                local.scale(n)  # one worker per GPU (EmbeddedCluster.new_worker_spec)
             client = Client(local, set_as_default=False)
         owns = True
     client.register_plugin(ClusterController(settings.replace(operator_token=token)))
     client.register_plugin(NbtrainWorker(quiet=settings.quiet_workers))
     if local is not None:
-        client.wait_for_workers(len(local.workers), timeout=120)
+        client.wait_for_workers(len(local.worker_spec), timeout=120)
     cluster = Cluster(client, local=local, owns_client=owns, settings=settings,
                       operator_token=token)
-    cluster._wait_for_slots(len(local.workers) if local is not None else 0)
+    cluster._wait_for_slots(len(local.worker_spec) if local is not None else 0)
     return cluster
 
 

@@ -38,6 +38,7 @@ from nbtrain.core.health import hung_ranks
 from nbtrain.core.job import JobSpec
 from nbtrain.core.lifecycle import JobMachine
 from nbtrain.core.lifecycle_types import (
+    AbortCollectives,
     Cancel,
     Command,
     Deliver,
@@ -131,6 +132,7 @@ class ClusterController(SchedulerPlugin):
         self._control_news = asyncio.Event()
         self._rdzv_news = asyncio.Event()
         self._pending_workers: set[str] = set()
+        self.worker_labels: dict[str, dict[str, str]] = {}  # address -> what it reported
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
         self._loop = asyncio.get_running_loop()
@@ -227,6 +229,8 @@ class ClusterController(SchedulerPlugin):
             self._spawn(self._cancel(c))
         elif isinstance(c, RestartWorkers):
             self._spawn(self._restart(c.addresses, c.reason))
+        elif isinstance(c, AbortCollectives):
+            self._spawn(self._abort_collectives(c))
         elif isinstance(c, Diagnose):
             self._spawn(self._diagnose(c.job_id, c.generation))
         elif isinstance(c, Deliver):
@@ -276,6 +280,7 @@ class ClusterController(SchedulerPlugin):
 
     def remove_worker(self, scheduler: Any, worker: str, *, stimulus_id: str = "",
                       **kwargs: Any) -> None:
+        self.worker_labels.pop(worker, None)
         if worker in self._pending_workers:
             self._pending_workers.discard(worker)
             return
@@ -306,9 +311,10 @@ class ClusterController(SchedulerPlugin):
             self.wake()
             return
         now, wall = self.now()
+        self.worker_labels[address] = {str(k): str(v) for k, v in labels.items()}
         self.feed(WorkerJoined(now, wall, address, str(labels.get("host") or ws.host),
                                str(ws.name), str(labels.get("nvlink", "")),
-                               str(labels.get("leaf", ""))))
+                               str(labels.get("leaf", "")), str(labels.get("gpu", ""))))
 
     async def _restart(self, addresses: tuple[str, ...], reason: str) -> None:
         results: Any
@@ -322,6 +328,22 @@ class ClusterController(SchedulerPlugin):
         self.cluster_log.extend([{"kind": "restart", "addresses": list(addresses),
                                   "reason": reason, "results": {str(k): str(v) for k, v in
                                                                 dict(results or {}).items()},
+                                  "time": time.time()}])
+        self.wake()
+
+    async def _abort_collectives(self, c: AbortCollectives) -> None:
+        from nbtrain.runtime.nccl import abort_generation
+
+        client = await self.client()
+        try:
+            results: Any = await client.run(abort_generation, c.job_id, c.generation,
+                                            workers=list(c.addresses), on_error="return")
+        except Exception as exc:
+            results = {a: f"{type(exc).__name__}: {exc}" for a in c.addresses}
+        self.cluster_log.extend([{"kind": "abort", "job": c.job_id, "generation": c.generation,
+                                  "addresses": list(c.addresses), "reason": c.reason,
+                                  "results": {str(k): str(v) for k, v in
+                                              dict(results or {}).items()},
                                   "time": time.time()}])
         self.wake()
 
@@ -346,7 +368,8 @@ class ClusterController(SchedulerPlugin):
                 seed=spec.seed, host_slots=per_host.get(hosts[rank], 1),
                 settings=assets.settings, checkpoint=plan,
                 faults=tuple(f for f in c.faults if f.rank == rank), job_info=spec.describe(),
-                control=dict(c.control), halt_on_nonfinite=spec.on_nonfinite == "halt")
+                control=dict(c.control), halt_on_nonfinite=spec.on_nonfinite == "halt",
+                device=c.device)
             fut = client.submit(
                 run_rank_task, launch, key=f"nbtrain-{c.job_id}-g{c.generation}-r{rank}",
                 workers=[address], allow_other_workers=False, pure=False, retries=0)

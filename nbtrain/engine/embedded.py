@@ -6,10 +6,16 @@ restarts twice within that time (a kill, then a hang restart) was lost with its 
 in the recovery tests and benchmark). nbtrain restarts workers on purpose and the nanny
 brings each one back, so this cluster never closes a nanny on removal; ``scale()`` and
 ``close()`` still end workers as usual.
+
+With ``gpus`` (ids for ``CUDA_VISIBLE_DEVICES``: indices or UUIDs) there is one worker per
+GPU, named by its GPU id, seeing only that GPU and holding a Dask resource ``GPU=1``; start
+it with ``n_workers=0`` and ``scale(len(gpus))``, as dask-cuda's ``LocalCUDACluster`` does.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Sequence
 from typing import Any
 
 from distributed import LocalCluster
@@ -17,9 +23,31 @@ from distributed.deploy.cluster import Cluster as _BaseCluster
 
 
 class EmbeddedCluster(LocalCluster):
+    def __init__(self, *args: Any, gpus: Sequence[str] = (), **kwargs: Any) -> None:
+        self.gpus = tuple(gpus)
+        super().__init__(*args, **kwargs)
+
     def _update_worker_status(self, op: str, msg: Any) -> None:
         if op == "remove":
             # Bookkeeping only; skip SpecCluster's timer that closes the lost worker's nanny.
             _BaseCluster._update_worker_status(self, op, msg)
         else:
             super()._update_worker_status(op, msg)
+
+    def new_worker_spec(self) -> dict[Any, Any]:
+        if not self.gpus:
+            return dict(super().new_worker_spec())
+        free = [g for g in self.gpus if g not in self.worker_spec]
+        if not free:
+            raise ValueError(
+                f"every GPU of this cluster ({', '.join(self.gpus)}) has its worker already: "
+                "one worker per GPU; connect(gpus=False) starts CPU workers instead")
+        gpu = free[0]
+        spec = copy.deepcopy(self.new_spec)
+        options = spec.setdefault("options", {})
+        env = dict(options.get("env") or {})
+        # Indices are PCI bus order for NVML; make CUDA number the GPUs the same way.
+        env.update(CUDA_VISIBLE_DEVICES=gpu, CUDA_DEVICE_ORDER="PCI_BUS_ID")
+        options["env"] = env
+        options["resources"] = {**(options.get("resources") or {}), "GPU": 1}
+        return {gpu: spec}

@@ -214,10 +214,19 @@ async def result(ctl: ClusterController, *, job_id: str) -> dict[str, Any]:
 async def cluster(ctl: ClusterController, *, log_from: int = 0) -> dict[str, Any]:
     queue = [] if ctl.machine.sched is None else ctl.machine.sched.queued()
     at, log = ctl.cluster_log.since(log_from, 1_000)
-    return {"slots": [dict(s) for s in ctl.machine.slots()], "queue": queue,
+    return {"slots": [_with_labels(ctl, s) for s in ctl.machine.slots()], "queue": queue,
             "pending_workers": len(ctl._pending_workers),
             "jobs": (await jobs(ctl))["jobs"], "team_usage": ctl.machine.team_usage(),
             "log_at": at, "log": log, "decision_ms": _decision_ms(ctl)}
+
+
+def _with_labels(ctl: ClusterController, slot: Mapping[str, Any]) -> dict[str, Any]:
+    """A slot as the machine sees it, plus what its worker reported about its GPU."""
+    out = dict(slot)
+    labels = ctl.worker_labels.get(str(slot.get("address")), {})
+    out.update({k: labels[k] for k in ("pci_bus_id", "gpu_name", "nvlink_source", "gpu_note")
+                if k in labels})
+    return out
 
 
 def _decision_ms(ctl: ClusterController) -> dict[str, float]:

@@ -163,7 +163,9 @@ class AsyncCheckpointer:
         t0 = time.perf_counter()
         self._drain()
         t1 = time.perf_counter()
-        snap = self.snapshotter.snapshot({"state": state, "meta": dict(meta or {})})
+        # CUDA copies are only queued here (the loop goes on); the writer waits for them.
+        snap = self.snapshotter.snapshot({"state": state, "meta": dict(meta or {})},
+                                         wait=False)
         t2 = time.perf_counter()
         result = SaveResult(step=step, bytes=snap.nbytes, blocking_s=t2 - t1, wait_s=t1 - t0)
         self.results.append(result)
@@ -179,7 +181,7 @@ class AsyncCheckpointer:
         )
         fut: Future[SaveResult] = Future()
         self._pending = fut
-        self._queue.put((fut, result, snap.state, dict(manifest_metadata or {})))
+        self._queue.put((fut, result, snap, dict(manifest_metadata or {})))
         return result
 
     def wait(self, timeout: float | None = None) -> SaveResult | None:
@@ -236,9 +238,10 @@ class AsyncCheckpointer:
             item = self._queue.get()
             if item is _STOP:
                 return
-            fut, result, payload, manifest_metadata = item
+            fut, result, snap, manifest_metadata = item
             try:
-                self._persist(result, payload, manifest_metadata)
+                snap.wait()  # the device-to-host copies, queued on the snapshot's side stream
+                self._persist(result, snap.state, manifest_metadata)
             except BaseException as e:  # never let the writer die; report and go on
                 result.error = result.error or f"{type(e).__name__}: {e}"
             finally:

@@ -51,5 +51,8 @@ class RankLaunch:
     faults: tuple[Fault, ...] = ()
     job_info: dict[str, Any] | None = None  # the job spec, recorded in checkpoint manifests
     control: Mapping[str, int] = field(default_factory=dict)  # requests standing at launch
+    #: The slot's kind: "gpu" (the worker's GPU, NCCL), "cpu" (gloo, even on a GPU worker),
+    #: "" (the GPU if the worker has one).
+    device: str = ""
     #: Take no checkpoint once a reported metric was NaN or infinite (on_nonfinite="halt").
     halt_on_nonfinite: bool = False

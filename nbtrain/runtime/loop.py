@@ -27,6 +27,7 @@ from distributed import get_client, get_worker
 from distributed.comm import get_address_host
 
 from nbtrain.config import Settings
+from nbtrain.runtime import nccl
 from nbtrain.runtime.checkpointing import RankCheckpointing
 from nbtrain.runtime.context import LoopEnded, RankContext
 from nbtrain.runtime.control import ControlChannel
@@ -35,6 +36,7 @@ from nbtrain.runtime.events import EventEmitter
 from nbtrain.runtime.faults import FaultInjector
 from nbtrain.runtime.function import TrainFunction
 from nbtrain.runtime.launch import RankLaunch
+from nbtrain.runtime.nvml import monitor_device
 from nbtrain.runtime.output import OutputForwarder
 from nbtrain.runtime.recipe import Recipe
 from nbtrain.runtime.stepper import Stepper
@@ -51,13 +53,15 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
                            flush_s=settings.event_flush_s, batch_max=settings.event_batch_max)
     threads = settings.rank_threads or max(1, (os.cpu_count() or 1) // max(1, launch.host_slots))
     torch.set_num_threads(threads)
-    device = _device()
+    device = _device(launch.device)
     ctx = RankContext(job_id=launch.job_id, rank=launch.rank, world_size=launch.world_size,
                       generation=launch.generation, device=device, seed=launch.seed, host=host)
     recipe: Recipe | None = None
     control: ControlChannel | None = None
     ckpt: RankCheckpointing | None = None
     store: dist.TCPStore | None = None
+    monitor = monitor_device(device, lambda readings: emitter.emit("device", readings=readings),
+                             settings.device_sample_s)
     try:
         t0 = time.perf_counter()
         client = get_client()
@@ -112,10 +116,12 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
     except BaseException as exc:
         text = "".join(traceback.format_exception(exc))
         error = f"{type(exc).__name__}: {exc}"
-        peer = looks_like_peer_failure(text)
-        # Free peers blocked in a collective with us: closing our gloo/NCCL connections makes
-        # their collective raise now instead of after the collective timeout.
-        _destroy_process_group()
+        peer = looks_like_peer_failure(text) or nccl.was_aborted(launch.job_id,
+                                                                 launch.generation)
+        # Free peers blocked in a collective with us: closing our gloo connections (or
+        # aborting our NCCL communicator) makes their collective raise now instead of after
+        # the collective timeout.
+        nccl.abort_process_group()
         with contextlib.suppress(Exception):
             emitter.emit("rank_failed", step=ctx.step, error=error, traceback=text, peer=peer,
                          host=host)
@@ -129,6 +135,9 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
         if control is not None:
             control.close()
         _destroy_process_group()
+        nccl.bind(launch.job_id, None)
+        if monitor is not None:
+            monitor.stop()
         del store
         with contextlib.suppress(Exception):
             emitter.flush()
@@ -198,11 +207,19 @@ def _pickled_result(result: Any, limit: int) -> dict[str, Any]:
     return {"result": data}
 
 
-def _device() -> torch.device:
+def _device(kind: str = "") -> torch.device:
+    if kind == "cpu":
+        return torch.device("cpu")
     if torch.cuda.is_available():
-        # One GPU per Dask worker (dask-cuda sets CUDA_VISIBLE_DEVICES per worker).
+        # One GPU per Dask worker (CUDA_VISIBLE_DEVICES per worker: nbtrain's embedded
+        # cluster and dask-cuda set it), so the worker's GPU is always cuda:0.
         torch.cuda.set_device(0)
         return torch.device("cuda", 0)
+    if kind == "gpu":
+        raise RuntimeError(
+            f"this job runs on GPU slots, but torch {torch.__version__} on this worker sees "
+            "no CUDA device (torch.cuda.is_available() is False): install a CUDA build of "
+            "torch in the workers' environment")
     return torch.device("cpu")
 
 
@@ -232,10 +249,16 @@ def _init_process_group(launch: RankLaunch, host: str, device: torch.device,
         store = dist.TCPStore(where["host"], int(where["port"]), launch.world_size,
                               is_master=False, timeout=rdzv_timeout)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl":
+        nccl.configure_env()
     dist.init_process_group(
         backend, store=store, rank=launch.rank, world_size=launch.world_size,
         timeout=datetime.timedelta(seconds=settings.collective_timeout_s),
+        # Binding the GPU creates the NCCL communicator now (rendezvous errors surface
+        # here) and gives the controller's abort a communicator to abort.
+        device_id=device if backend == "nccl" else None,
     )
+    nccl.bind(launch.job_id, launch.generation)
     return store
 
 

@@ -4,8 +4,16 @@ The training loop may change its parameters again as soon as this returns, so th
 must be a real copy; it must also be cheap, because the loop pays for it at every checkpoint.
 So the host buffers are allocated once and reused: each later snapshot with the same tensor
 shapes is one ``copy_`` per tensor into the buffer it used last time, no pickling and no
-allocation. CUDA tensors go to pinned buffers with non-blocking copies and one stream
-synchronization at the end.
+allocation.
+
+CUDA tensors go to pinned buffers with non-blocking copies on a side stream per device, so
+the training loop does not wait for the device-to-host transfer: the side stream first waits
+for the work already queued on the current stream (the copies see the step's results), the
+device's current stream then waits for the copies (the next step's in-place updates cannot
+overwrite a tensor before it is copied), and each source tensor is recorded on the side
+stream (the caching allocator does not reuse its memory too early). ``snapshot(wait=False)``
+returns as soon as the copies are queued; ``Snapshot.wait()`` blocks until they are done, and
+whoever reads the buffers (the checkpoint writer) calls it first.
 
 The buffers belong to the snapshotter: a snapshot is valid until the next ``snapshot()``
 call. ``AsyncCheckpointer`` keeps at most one checkpoint in flight for exactly this reason.
@@ -19,8 +27,8 @@ loader), which are called and their result copied. The copy holds only types tha
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -45,6 +53,12 @@ class Snapshot:
     nbytes: int  # bytes of tensor data in the snapshot
     tensors: int  # distinct tensor buffers
     allocated_bytes: int  # bytes of buffers newly allocated by this snapshot (0 when reused)
+    ready: Callable[[], None] = field(default=lambda: None, compare=False, repr=False)
+
+    def wait(self) -> None:
+        """Block until every device-to-host copy of this snapshot is done (at once for a
+        snapshot without CUDA tensors, or one taken with ``wait=True``)."""
+        self.ready()
 
 
 def _where(path: Path) -> str:
@@ -68,6 +82,7 @@ class HostSnapshotter:
         self._nbytes = 0
         self._allocated = 0
         self._cuda_devices: set[torch.device] = set()
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     @property
     def buffer_bytes(self) -> int:
@@ -78,8 +93,12 @@ class HostSnapshotter:
         """Free the buffers (the next snapshot allocates again)."""
         self._buffers = {}
 
-    def snapshot(self, state: Any) -> Snapshot:
-        """Copy ``state`` to host memory and return it with its byte size."""
+    def snapshot(self, state: Any, *, wait: bool = True) -> Snapshot:
+        """Copy ``state`` to host memory and return it with its byte size.
+
+        wait: return only when the copies of CUDA tensors are done. With ``wait=False`` the
+            copies are only queued: call ``Snapshot.wait()`` before reading the buffers.
+        """
         self._seen = {}
         self._used = {}
         self._nbytes = 0
@@ -87,15 +106,44 @@ class HostSnapshotter:
         self._cuda_devices = set()
         with torch.no_grad():
             copied = self._copy(state, ())
-        for dev in self._cuda_devices:
-            torch.cuda.current_stream(dev).synchronize()
+        ready = self._copies_queued()
+        if wait:
+            ready()
         # Buffers for tensors no longer in the state are dropped, so memory follows the state.
         self._buffers = self._used
         tensors = len(self._seen)
         self._seen = {}
         return Snapshot(
-            state=copied, nbytes=self._nbytes, tensors=tensors, allocated_bytes=self._allocated
+            state=copied, nbytes=self._nbytes, tensors=tensors, allocated_bytes=self._allocated,
+            ready=ready,
         )
+
+    def _side_stream(self, dev: torch.device) -> torch.cuda.Stream:
+        stream = self._streams.get(dev)
+        if stream is None:
+            stream = self._streams[dev] = torch.cuda.Stream(device=dev)
+        if dev not in self._cuda_devices:
+            # The first copy from this device in this snapshot: see everything the training
+            # loop queued so far (its optimizer step).
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            self._cuda_devices.add(dev)
+        return stream
+
+    def _copies_queued(self) -> Callable[[], None]:
+        """Order the device's later work after the copies; a callable that waits for them."""
+        events = []
+        for dev in self._cuda_devices:
+            stream = self._streams[dev]
+            done = torch.cuda.Event()
+            done.record(stream)
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            events.append(done)
+
+        def ready() -> None:
+            for done in events:
+                done.synchronize()
+
+        return ready
 
     # -- walking ------------------------------------------------------------------------------
     def _copy(self, value: Any, path: Path) -> Any:
@@ -164,8 +212,10 @@ class HostSnapshotter:
             buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
             self._allocated += buf.numel() * buf.element_size()
         if t.device.type == "cuda":
-            buf.copy_(t, non_blocking=buf.is_pinned())
-            self._cuda_devices.add(t.device)
+            side = self._side_stream(t.device)
+            with torch.cuda.stream(side):
+                buf.copy_(t, non_blocking=buf.is_pinned())
+            t.record_stream(side)
         else:
             buf.copy_(t)
         self._used[path] = buf
