@@ -82,6 +82,11 @@ class Settings:
     #: gets to checkpoint at a step boundary; after it the ranks are stopped and the job
     #: resumes from its last committed checkpoint. Longer than a step plus a checkpoint.
     preempt_grace_s: float = 120.0
+    #: An elastic job grows into idle slots (or back after a lost worker returns) at most
+    #: this long after its last start or resize, so a worker that comes and goes cannot
+    #: restart it over and over. Shrinks (a lost worker, a job that needs the slots) and the
+    #: user's own resizes are not held back.
+    resize_interval_s: float = 30.0
     #: Fair-share weights of teams, ``"research:3,teaching:1"``; unnamed teams weigh 1.
     team_weights: str = ""
     #: Highest priority a job may have without the operator token.

@@ -270,10 +270,15 @@ def _rehash(store: CheckpointStore, step: int, rank: int) -> None:
     rewrite(store, mpath, json.dumps(doc).encode())
 
 
-def test_world_size_mismatch_is_skipped(store: CheckpointStore) -> None:
+def test_another_world_size_reads_the_replicated_shard_of_rank_modulo(
+        store: CheckpointStore) -> None:
     checkpoint(store, 1, world=2)
-    with pytest.raises(CheckpointError, match="written by world_size 2, this job runs 3"):
-        store.restore_latest(0, world_size=3)
+    got = [store.restore_latest(r, world_size=3) for r in range(3)]
+    assert [g.shard_rank for g in got if g] == [0, 1, 0]
+    assert [g.payload["rank"] for g in got if g] == [0, 1, 0]
+    assert all(g is not None and g.step == 1 for g in got)
+    shrunk = store.restore_latest(0, world_size=1)
+    assert shrunk is not None and shrunk.shard_rank == 0
 
 
 def test_restore_on_empty_store_and_when_nothing_loads(store: CheckpointStore) -> None:

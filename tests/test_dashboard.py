@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import math
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 
 import comm
 import pytest
+from bokeh.models.annotations import Span
 from comm.base_comm import BaseComm
 
 import nbtrain
@@ -305,6 +307,65 @@ def test_straggler_lines_are_drawn_thicker(comms: list[RecordingComm]) -> None:
     widths = {r: line.glyph.line_width for r, line in dash.step_plot._renderers.items()}
     assert widths[1] > widths[0]
     assert "rank 1 confirmed straggler in compute: 2.50x" in dash.alerts_panel.value
+
+
+# -- elastic jobs: the resize slider, generation marks -----------------------------------
+def test_resize_slider_is_bounded_and_disabled_with_the_reason(
+        comms: list[RecordingComm]) -> None:
+    fixed = JobDashboard(offline_handle(2), start=False)
+    assert fixed.resize_slider is not None and fixed.resize_slider.disabled
+    assert fixed.buttons["resize"].disabled
+    assert "fixed size (2 ranks): submit with min_size=" in fixed.resize_status.value
+
+    spec = JobSpec(job_id="elastic0", name="elastic", world_size=2, steps=100, min_size=1,
+                   max_size=3)
+    job = JobHandle(spec, checkpoint_url="memory://offline",
+                    status={"state": "RUNNING", "reason": "training", "size": 2,
+                            "target_size": 2, "resize_note": ""})
+    dash = JobDashboard(job, start=False)
+    slider = dash.resize_slider
+    assert slider is not None and (slider.min, slider.max, slider.value) == (1, 3, 2)
+    assert not slider.disabled and not dash.buttons["resize"].disabled
+    assert "2 ranks now" in dash.resize_status.value
+    # A resize made elsewhere (the API) moves the slider; the reason it waits is shown.
+    job._apply({"status": {"state": "RUNNING", "reason": "training", "size": 2,
+                           "target_size": 3, "resize_note": "growing to 3 ranks (2 now) when "
+                           "1 more slot is free"}})
+    dash.refresh()
+    assert slider.value == 3 and "when 1 more slot is free" in dash.resize_status.value
+    job._apply({"status": {"state": "STOPPING", "reason": "resizing", "size": 2,
+                           "target_size": 3, "resize_note": ""}})
+    dash.refresh()
+    assert slider.disabled and "stopping" in dash.resize_status.value
+    # The button calls resize(n) on the handle (offline here: the error is shown).
+    job._apply({"status": {"state": "RUNNING", "reason": "training", "size": 3,
+                           "target_size": 3, "resize_note": ""}})
+    dash.refresh()
+    slider.value = 1
+    click(dash.buttons["resize"])
+    assert "resize to 1 failed" in dash.message.value and "not attached" in dash.message.value
+
+
+def test_lines_break_and_marks_appear_at_generation_changes(
+        comms: list[RecordingComm]) -> None:
+    job = offline_handle(2)
+    dash = JobDashboard(job, start=False)
+    feed(job, 2, 1, 10)  # generation 0, steps 1..10
+    job._apply({"events": [{"kind": "resize", "phase": "started", "old": 2, "new": 1,
+                            "generation": 1, "reason": "asked", "time": 1.7e9}]})
+    rows = [(1, 0, s, 1.7e9 + s, 0.01, 1e-3, 6e-3, 2e-3, 1e-3, {"loss": 0.5})
+            for s in range(9, 15)]  # generation 1 resumes from step 8, one rank
+    job._apply({"rows": rows})
+    dash.refresh()
+    steps = list(dash.step_plot.sources[0].data["step"])
+    values = list(dash.step_plot.sources[0].data["step_s"])
+    [gap] = [i for i, v in enumerate(values) if math.isnan(v)]
+    assert steps[:gap] == list(range(1, 11))  # generation 0, then the break
+    assert steps[gap:] == [9, *range(9, 15)]  # at the first step of generation 1
+    loss = list(dash.loss_plot.source.data["value"])
+    assert sum(math.isnan(v) for v in loss) == 1
+    assert list(dash.marks.marks) == [(1, 9, "2\u21921 ranks")]
+    assert any(isinstance(m, Span) and m.location == 8.5 for m in dash.step_plot.figure.center)
 
 
 # -- the poller -------------------------------------------------------------------------------

@@ -37,7 +37,11 @@ class JobSpec:
     #: Steps to train. None: the training function's own loop decides when it is done (a
     #: ``Recipe`` needs a number).
     steps: int | None
+    #: Elastic bounds: the job may run (and be resized, by its user or the scheduler) at any
+    #: size in ``[min_size, max_size]``; None means ``world_size``. ``world_size`` is the size
+    #: it asks for; a resize asks for another.
     min_size: int | None = None
+    max_size: int | None = None
     priority: int = 0
     team: str = "default"
     queue: bool = True
@@ -76,6 +80,12 @@ class JobSpec:
                 f"min_size must be between 1 and world_size={self.world_size}, "
                 f"got {self.min_size!r}"
             )
+        if self.max_size is not None and (not isinstance(self.max_size, int)
+                                          or self.max_size < self.world_size):
+            raise ValueError(
+                f"max_size must be an integer >= world_size={self.world_size}, "
+                f"got {self.max_size!r}"
+            )
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(
                 f"max_restarts must be an integer >= 0, got {self.max_restarts!r}: "
@@ -92,6 +102,17 @@ class JobSpec:
             raise ValueError(f"on_nonfinite must be 'alert' or 'halt', got "
                              f"{self.on_nonfinite!r}")
 
+    @property
+    def bounds(self) -> tuple[int, int]:
+        """The sizes the job may run at: ``(min_size, max_size)``."""
+        return (self.min_size or self.world_size, self.max_size or self.world_size)
+
+    @property
+    def resizable(self) -> bool:
+        """Submitted with room to change size (``min_size`` or ``max_size``)."""
+        lo, hi = self.bounds
+        return lo < hi
+
     def progress(self, step: int) -> str:
         """``"52/100"``, or ``"52"`` when the training function decides the number of steps."""
         return format_progress(step, self.steps)
@@ -100,7 +121,8 @@ class JobSpec:
         """JSON-friendly summary (recorded in checkpoint manifests)."""
         return {
             "job_id": self.job_id, "name": self.name, "world_size": self.world_size,
-            "steps": self.steps, "seed": self.seed, "team": self.team,
+            "min_size": self.min_size, "max_size": self.max_size, "steps": self.steps,
+            "seed": self.seed, "team": self.team,
             "priority": self.priority, "checkpoint": self.checkpoint,
         }
 

@@ -23,21 +23,23 @@ __all__ = [
     "NonFiniteEvent",
     "PreemptionEvent",
     "RecoveryEvent",
+    "ResizeEvent",
     "StateEvent",
     "fault_event",
     "nonfinite_event",
     "preemption_event",
     "recovery_event",
+    "resize_event",
     "state_event",
 ]
 
 #: Kinds the rank runtime emits (``steps`` carries step rows, see ``core.records``; ``device``
 #: a GPU's NVML readings, kept for straggler verdicts and not logged).
 RANK_KINDS = ("steps", "device", "rank_started", "checkpoint", "fault_injected", "rank_failed",
-              "rank_finished", "log")
+              "rank_finished", "log", "data")
 #: Kinds the job machine emits.
 CONTROLLER_KINDS = ("state", "fault", "recovery", "preemption", "straggler", "mitigation",
-                    "nonfinite")
+                    "nonfinite", "resize")
 
 
 class StateEvent(TypedDict):
@@ -109,6 +111,28 @@ def nonfinite_event(time: float, *, rank: int, step: int, metric: str, value: fl
                     generation: int, halting: bool) -> NonFiniteEvent:
     return {"kind": "nonfinite", "time": time, "rank": rank, "step": step, "metric": metric,
             "value": str(value), "generation": generation, "halting": halting}
+
+
+class ResizeEvent(TypedDict):
+    """An elastic job changing size. ``phase``: "requested" (decided, the generation ends at
+    the next step boundary), "waiting" (a bigger size asked for, waiting for enough free slots
+    at once), "started" (the next generation launched at the new size), "done" (its first
+    step; ``duration_s`` since "requested")."""
+
+    kind: Literal["resize"]
+    time: float
+    phase: str
+    old: int
+    new: int
+    reason: str
+    generation: int
+    duration_s: float | None
+
+
+def resize_event(time: float, *, phase: str, old: int, new: int, reason: str, generation: int,
+                 duration_s: float | None = None) -> ResizeEvent:
+    return {"kind": "resize", "time": time, "phase": phase, "old": old, "new": new,
+            "reason": reason, "generation": generation, "duration_s": duration_s}
 
 
 def state_event(time: float, state: str, reason: str) -> StateEvent:

@@ -15,9 +15,11 @@ from nbtrain.core.faults import Fault
 from nbtrain.core.goodput import GoodputLedger
 from nbtrain.core.job import JobState
 from nbtrain.core.lifecycle_types import JobSubmission, RankFailureInfo
+from nbtrain.core.placement import Placement
 from nbtrain.core.stragglerwatch import StragglerWatch
 
-__all__ = ["Generation", "JobStatus", "LiveJob", "Preemption", "primary_failure"]
+__all__ = ["Generation", "JobStatus", "LiveJob", "PendingResize", "Preemption",
+           "primary_failure"]
 
 #: Control flags a generation's ranks act on (``checkpoint`` is a sequence number).
 CONTROL_FLAGS = ("stop", "preempt", "checkpoint", "halt")
@@ -32,6 +34,16 @@ class Preemption:
     deadline: float  # monotonic; past it the ranks are stopped without their checkpoint
     for_job: str | None = None
     slot: str | None = None  # replace: the slow slot to stay off
+
+
+@dataclass
+class PendingResize:
+    """A resize the scheduler decided: the next generation runs on ``placement``."""
+
+    placement: Placement
+    old_size: int
+    reason: str
+    asked: float  # monotonic, for the resize's duration
 
 
 @dataclass
@@ -56,15 +68,20 @@ class Generation:
     forced: bool = False  # preemption grace ran out: ranks stopped without their checkpoint
     nonfinite: set[str] = field(default_factory=set)  # metrics already reported non-finite
 
-    def finished(self, world_size: int) -> bool:
-        return len(self.outcomes) + len(self.failures) >= world_size
+    @property
+    def size(self) -> int:
+        """Ranks of this generation (an elastic job's size can change between generations)."""
+        return len(self.slots)
+
+    def finished(self) -> bool:
+        return len(self.outcomes) + len(self.failures) >= self.size
 
     @property
     def failing(self) -> bool:
         return bool(self.failures) or self.hang is not None
 
-    def unfinished(self, world_size: int) -> tuple[int, ...]:
-        return tuple(r for r in range(world_size)
+    def unfinished(self) -> tuple[int, ...]:
+        return tuple(r for r in range(self.size)
                      if r not in self.outcomes and r not in self.failures)
 
     def median_step(self) -> float:
@@ -94,6 +111,11 @@ class JobStatus:
     submitted: float
     started: float | None
     ended: float | None
+    size: int  # ranks of the current generation (0 while it holds no slots)
+    min_size: int
+    max_size: int
+    target_size: int  # the size asked for (``world_size`` until a resize asks for another)
+    resize_note: str  # why a resize the user asked for has not happened yet ("" if none)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
@@ -127,6 +149,11 @@ class LiveJob:
         self.preempt: Preemption | None = None
         self.checkpoint_seq = 0
         self.halt_reason = ""
+        self.resize: PendingResize | None = None  # decided, waiting for the generation to end
+        self.resizing: PendingResize | None = None  # launched, waiting for its first step
+        self.target = sub.spec.world_size  # the size asked for
+        self.last_size: int | None = None  # ranks of the newest generation
+        self.resize_note = ""
 
     @property
     def id(self) -> str:
@@ -159,6 +186,9 @@ class LiveJob:
             slots=addresses, step=self.step, error=self.error, restarts=len(self.restarts),
             faults=self.public_faults(), goodput=self.ledger.snapshot(now).as_dict(),
             submitted=self.submitted, started=self.started, ended=self.ended,
+            size=self.gen.size if self.gen is not None and self.state.holds_slots else 0,
+            min_size=self.spec.bounds[0], max_size=self.spec.bounds[1], target_size=self.target,
+            resize_note=self.resize_note,
         )
 
 

@@ -45,9 +45,17 @@ from nbtrain.core.jobevents import (
     nonfinite_event,
     preemption_event,
     recovery_event,
+    resize_event,
     state_event,
 )
-from nbtrain.core.jobrecord import Generation, JobStatus, LiveJob, Preemption, primary_failure
+from nbtrain.core.jobrecord import (
+    Generation,
+    JobStatus,
+    LiveJob,
+    PendingResize,
+    Preemption,
+    primary_failure,
+)
 from nbtrain.core.lifecycle_types import (
     AbortCollectives,
     Cancel,
@@ -88,6 +96,7 @@ from nbtrain.core.sched_types import (
     RejectJob,
     Released,
     ResizeJob,
+    ResizeRequested,
     Resume,
     SchedulerConfig,
     StartJob,
@@ -136,6 +145,9 @@ class JobMachine:
         self._out: list[Command] = []
         self._queue_dirty = False
         self._in_pass = False
+        self._asking: str | None = None  # the job whose user request the scheduler decides
+        self._deferred: dict[str, Placement] = {}  # placed on slots a shrinking job still holds
+        self._sched_later: list[SchedEvent] = []  # fed after the decisions being carried out
 
     # ================================================================== the API
     def handle(self, event: Event) -> list[Command]:
@@ -227,7 +239,8 @@ class JobMachine:
     def _admit(self, job: LiveJob) -> None:
         spec = job.spec
         request = JobRequest(job_id=job.id, size=spec.world_size, priority=spec.priority,
-                             team=spec.team)
+                             team=spec.team,
+                             min_size=spec.bounds[0] if spec.resizable else None)
         self._sched(Submit(self.now, request))
         if job.id not in self._jobs:  # rejected by the scheduler
             return
@@ -287,6 +300,8 @@ class JobMachine:
         self._queue_dirty = True
         for d in decisions:
             self._carry_out(d)
+        while self._sched_later:
+            self._sched(self._sched_later.pop(0))
 
     def _carry_out(self, d: Decision) -> None:
         job = self._jobs.get(d.job_id)
@@ -297,35 +312,108 @@ class JobMachine:
             if job is not None:
                 self._preempt_for_scheduler(job, d)
         elif isinstance(d, RejectJob):
-            if job is not None and job.gen is None and job.state is JobState.QUEUED:
+            if job is not None and self._asking == job.id:
+                self._out.append(Rejected(job.id, d.reason))  # a request the user made now
+            elif job is not None and job.gen is None and job.state is JobState.QUEUED:
                 del self._jobs[job.id]
                 self._out.append(Rejected(job.id, d.reason))
             elif job is not None:
                 self._publish_cluster({"kind": "scheduler", "job": job.id, "reason": d.reason})
-        elif isinstance(d, ResizeJob):
-            # Only elastic jobs are resized, and the machine submits none yet.
-            raise RuntimeError(f"unexpected resize of job {d.job_id}: {d.reason}")
+        elif isinstance(d, ResizeJob) and job is not None:
+            self._resize(job, d)
 
     def _start(self, job: LiveJob, placement: Placement) -> None:
+        busy = self._busy_slots() & {str(s) for s in placement.slots}
+        if busy:
+            # The scheduler frees a shrinking job's slots when it decides the shrink; its
+            # ranks leave them at the next step boundary. Launch when they have.
+            self._deferred[job.id] = placement
+            holders = sorted({j.name for j in self._live.values() if j.gen is not None
+                              and busy & set(j.gen.slots)})
+            self._set_state(job, JobState.STARTING, f"waiting for {', '.join(holders)} to "
+                                                    f"hand over {len(busy)} slot(s)")
+            return
+        self._deferred.pop(job.id, None)
         number = job.generation + 1
         slots = tuple(str(s) for s in placement.slots)
         addresses = tuple(self.inventory.address_of(s) or "" for s in slots)
         assert all(addresses), f"the scheduler placed job {job.id} on an offline slot"
         gen = Generation(number=number, slots=slots, addresses=addresses, started=self.now,
                          last_progress=self.now)
+        if (job.resizing is None and job.last_size is not None
+                and job.last_size != len(slots)):
+            # A restart (recovery, resume) at another size: the fewer slots there are now, or
+            # the more that returned. A resize all the same, for the events and the plots.
+            why = (f"{job.recovering}; {len(slots)} of {job.target} ranks fit now"
+                   if job.recovering else f"{len(slots)} of {job.target} ranks fit now")
+            job.resizing = PendingResize(placement=placement, old_size=job.last_size,
+                                         reason=why, asked=self.now)
+        if job.last_size is not None and job.last_size != len(slots):
+            # Rows of the new ranks may arrive before rank 0 says it started (which resets
+            # the detector again, at the step it restored).
+            for event in job.stragglers.restart(len(slots), job.committed_step):
+                self._publish(job, event)
+        job.last_size = len(slots)
         job.gen = gen
+        self._growth_note(job)
         self._live[job.id] = job
         job.generation = number
         job.checkpoint_seq = 0
         job.queue_note = ""
         if job.started is None:
             job.started = self.wall
-        job.ledger.enter("recovery" if job.recovering else "startup", self.now)
-        what = f"recovering ({job.recovering})" if job.recovering else "starting"
+        job.ledger.enter("recovery" if job.recovering or job.resizing else "startup", self.now)
+        what = (f"recovering ({job.recovering})" if job.recovering else
+                f"resized from {job.resizing.old_size} ranks" if job.resizing else "starting")
+        if job.resizing is not None:
+            self._publish(job, resize_event(self.wall, phase="started",
+                                            old=job.resizing.old_size, new=len(slots),
+                                            reason=job.resizing.reason, generation=number))
         self._set_state(job, JobState.STARTING, f"generation {number}: {what}, "
                                                 f"{len(slots)} ranks")
         self._out.append(Launch(job.id, number, addresses, job.unfired_faults(),
                                 dict(gen.control), device=self._kind_of(job)))
+
+    def _busy_slots(self) -> set[str]:
+        """Slots with a rank still running on them."""
+        return {gen.slots[r] for j in self._live.values() if (gen := j.gen) is not None
+                for r in gen.unfinished()}
+
+    def _launch_deferred(self) -> None:
+        for job_id, placement in list(self._deferred.items()):
+            job = self._jobs.get(job_id)
+            if job is None or job.state.terminal:
+                self._deferred.pop(job_id, None)
+            elif not self._busy_slots() & {str(s) for s in placement.slots}:
+                self._start(job, placement)
+
+    def _resize(self, job: LiveJob, d: ResizeJob) -> None:
+        """The scheduler gave the job a new placement (a resize it was asked for, growth into
+        idle slots, a shrink for a waiting job): end the generation at the next step
+        boundary, through the preemption path (checkpoint, commit), and start the next one
+        there. A generation already failing or stopping ends by itself, and the job is then
+        requeued (and restarted at the largest size that fits) or ended."""
+        if job.id in self._deferred:  # not launched yet: launch it there instead
+            self._deferred[job.id] = d.placement
+            self._launch_deferred()
+            return
+        gen = job.gen
+        new = d.placement.world_size
+        if gen is None or gen.failing or job.stop_requested or (
+                job.preempt is not None and job.preempt.cause != "resize"):
+            return
+        job.resize = PendingResize(placement=d.placement, old_size=gen.size, reason=d.reason,
+                                   asked=self.now)
+        self._growth_note(job)
+        self._publish(job, resize_event(self.wall, phase="requested", old=gen.size, new=new,
+                                        reason=d.reason, generation=gen.number))
+        if job.preempt is None:
+            job.preempt = Preemption(cause="resize", reason=d.reason,
+                                     deadline=self.now + self.sched_config.preempt_grace_s)
+            self._set_control(job, preempt=1)
+        self._set_state(job, JobState.STOPPING,
+                        f"resizing from {gen.size} to {new} ranks ({d.reason}): checkpoint at "
+                        "the next step boundary")
 
     def _explain_queue(self) -> None:
         """Say why each queued job waits: the head of its kind's queue needs more free slots
@@ -433,7 +521,7 @@ class JobMachine:
             hit.append(job)
         self._take_offline([slot])
         for job in hit:
-            if job.gen is not None and job.gen.finished(job.spec.world_size):
+            if job.gen is not None and job.gen.finished():
                 self._end_generation(job)
 
     def _take_offline(self, slots: Iterable[str]) -> None:
@@ -492,7 +580,8 @@ class JobMachine:
                 job.ledger.checkpoint_blocked(
                     (float(msg.get("blocking_ms", 0)) + float(msg.get("wait_ms", 0))) / 1e3)
         elif kind == "rank_started" and current and msg.get("rank") == 0:
-            for event in job.stragglers.restart(job.spec.world_size, int(msg["start_step"])):
+            assert gen is not None
+            for event in job.stragglers.restart(gen.size, int(msg["start_step"])):
                 self._publish(job, event)
         elif kind == "fault_injected" and current:
             assert gen is not None
@@ -518,6 +607,12 @@ class JobMachine:
             job.ledger.enter("training", self.now)
             if job.recovering:
                 self._finish_recovery(job, gen, rows)
+            if job.resizing is not None:
+                done, job.resizing = job.resizing, None
+                self._publish(job, resize_event(
+                    self.wall, phase="done", old=done.old_size, new=gen.size,
+                    reason=done.reason, generation=gen.number,
+                    duration_s=self.now - done.asked))
             if job.state is JobState.STARTING:
                 self._set_state(job, JobState.RUNNING, f"training (generation {gen.number})")
         if rank == 0 and job.state is JobState.RUNNING:
@@ -590,7 +685,7 @@ class JobMachine:
             self._record_failure(gen, ev.rank, ev.failure)
         else:
             gen.outcomes[ev.rank] = dict(ev.outcome or {})
-        if gen.finished(job.spec.world_size):
+        if gen.finished():
             self._end_generation(job)
 
     def _record_failure(self, gen: Generation, rank: int, failure: RankFailureInfo) -> None:
@@ -606,7 +701,7 @@ class JobMachine:
             if gen is None:
                 continue
             policy = job.sub.policy
-            if gen.failures and not gen.finished(job.spec.world_size):
+            if gen.failures and not gen.finished():
                 assert gen.failed_at is not None
                 waited = self.now - gen.failed_at
                 if waited > policy.failure_grace_s:
@@ -616,7 +711,7 @@ class JobMachine:
                     if self._kind_of(job) == GPU:  # NCCL has an abort; gloo does not
                         self._out.append(AbortCollectives(
                             job.id, gen.number, tuple(gen.addresses[r] for r in
-                                                      gen.unfinished(job.spec.world_size)),
+                                                      gen.unfinished()),
                             f"free the peers of job {job.name}'s failed rank"))
                     else:
                         self._restart_workers(
@@ -664,7 +759,7 @@ class JobMachine:
     def _force_end(self, job: LiveJob, gen: Generation) -> None:
         """Ranks still running long after a peer failed are stuck: give up on them and restart
         their workers (a Python thread cannot be killed; its process can)."""
-        stuck = gen.unfinished(job.spec.world_size)
+        stuck = gen.unfinished()
         self._out.append(Cancel(job.id, gen.number, stuck))
         for rank in stuck:
             self._record_failure(gen, rank, RankFailureInfo(
@@ -677,7 +772,7 @@ class JobMachine:
 
     def _force_release(self, job: LiveJob, gen: Generation) -> None:
         """The preemption grace ran out: stop the ranks without their checkpoint."""
-        stuck = gen.unfinished(job.spec.world_size)
+        stuck = gen.unfinished()
         self._out.append(Cancel(job.id, gen.number, stuck))
         gen.forced = True
         for rank in stuck:
@@ -694,6 +789,13 @@ class JobMachine:
         job.gen = None
         self._live.pop(job.id, None)
         self._out.append(EndGeneration(job.id, gen.number))
+        try:
+            self._generation_ended(job, gen)
+        finally:
+            if self._deferred:
+                self._launch_deferred()
+
+    def _generation_ended(self, job: LiveJob, gen: Generation) -> None:
         if gen.failing:
             self._generation_failed(job, gen)
             return
@@ -728,9 +830,15 @@ class JobMachine:
         if gen.forced:
             lost = job.ledger.rollback(job.committed_step)
             step = job.committed_step
-        self._publish(job, preemption_event(self.wall, cause=pre.cause, reason=pre.reason,
-                                            for_job=pre.for_job, generation=gen.number,
-                                            step=step, forced=gen.forced, lost_steps=lost))
+        if pre.cause != "resize":
+            self._publish(job, preemption_event(
+                self.wall, cause=pre.cause, reason=pre.reason, for_job=pre.for_job,
+                generation=gen.number, step=step, forced=gen.forced, lost_steps=lost))
+        if pre.cause == "resize" and job.resize is not None:
+            pending, job.resize = job.resize, None
+            job.resizing = pending
+            self._start(job, pending.placement)
+            return
         if pre.cause == "user":
             job.ledger.enter("queued", self.now)
             self._set_state(job, JobState.PREEMPTED, f"checkpointed at step {step} and released "
@@ -751,6 +859,7 @@ class JobMachine:
             self._sched(Released(self.now, job.id, avoid=frozenset(self._avoid(job))))
 
     def _generation_failed(self, job: LiveJob, gen: Generation) -> None:
+        job.resize = job.resizing = None  # recovery restarts at the largest size that fits
         fault = self._describe_fault(job, gen)
         if fault["host"]:
             self.health.record(str(fault["host"]), self.now)
@@ -804,6 +913,7 @@ class JobMachine:
         self._sched(Failed(self.now, job.id, requeue=True, avoid=frozenset(avoid)))
 
     def _end_job(self, job: LiveJob, state: JobState, reason: str, event: SchedEvent) -> None:
+        self._deferred.pop(job.id, None)
         job.ledger.enter("ended", self.now)
         job.ended = self.wall
         self._set_state(job, state, reason)
@@ -876,6 +986,12 @@ class JobMachine:
 
     # ================================================================== preemption
     def _preempt_for_scheduler(self, job: LiveJob, d: PreemptJob) -> None:
+        if self._deferred.pop(job.id, None) is not None:  # never launched: nothing to save
+            job.ledger.enter("queued", self.now)
+            job.queue_note = f"preempted before it started ({d.reason})"
+            self._set_state(job, JobState.QUEUED, f"{job.queue_note}: waiting for slots")
+            self._sched_later.append(Released(self.now, job.id, avoid=frozenset()))
+            return
         gen = job.gen
         if gen is None or gen.failing or job.preempt is not None or job.stop_requested:
             # The generation is ending anyway (a lost worker, a failure, a stop or another
@@ -932,6 +1048,9 @@ class JobMachine:
             if gen is not None:
                 job.checkpoint_seq += 1
                 self._set_control(job, checkpoint=job.checkpoint_seq)
+        elif what == "resize":
+            arg = dict(ev.arg)
+            self._request_resize(job, int(arg["size"]), bool(arg.get("wait_for_workers")))
         elif what == "stragglers":
             for event in job.stragglers.update(**dict(ev.arg)):
                 self._publish(job, event)
@@ -942,6 +1061,56 @@ class JobMachine:
                 self._out.append(Deliver(job.id, gen.addresses[fault.rank], fault))
         else:
             raise ValueError(f"unknown request {what!r}")
+
+    def _request_resize(self, job: LiveJob, size: int, wait_for_workers: bool) -> None:
+        """The user asks for ``size`` ranks. Out of the job's bounds, or above the cluster's
+        slots without ``wait_for_workers``: ``Rejected`` with the numbers. Otherwise the
+        scheduler decides: at once when the slots are there (a shrink always is), else the
+        job keeps its size and grows when enough slots are free at once."""
+        spec = job.spec
+        lo, hi = spec.bounds
+        reject = ""
+        if not spec.resizable:
+            reject = (f"job {job.name} was submitted with a fixed size of {spec.world_size} "
+                      "ranks: submit it with min_size= and/or max_size= to resize it")
+        elif not lo <= size <= hi:
+            reject = (f"job {job.name} may run with {lo} to {hi} ranks (min_size={lo}, "
+                      f"max_size={hi}), not {size}")
+        kind = self._kind_of(job) or self._job_kind(job.id)
+        total = self._slot_counts(kind)[0]
+        if not reject and size > total and not wait_for_workers:
+            reject = (f"the cluster has {total} {self._unit(kind)}, fewer than the {size} "
+                      f"asked for job {job.name}: add workers, or resize(..., "
+                      "wait_for_workers=True) to grow when they join")
+        if reject:
+            self._out.append(Rejected(job.id, reject))
+            return
+        job.target = size
+        if self.sched is None:
+            return
+        self._asking = job.id
+        try:
+            self._sched(ResizeRequested(self.now, job.id, size))
+        finally:
+            self._asking = None
+        note = self._growth_note(job)
+        if note and job.gen is not None and not any(isinstance(c, Rejected) for c in self._out):
+            self._publish(job, resize_event(self.wall, phase="waiting", old=job.gen.size,
+                                            new=size, reason=note, generation=job.gen.number))
+
+    def _growth_note(self, job: LiveJob) -> str:
+        """Why the job runs below the size its user asked for ("" when it does not)."""
+        planned = (job.resize.placement.world_size if job.resize is not None
+                   else job.gen.size if job.gen is not None else 0)
+        note = ""
+        if planned and job.target > planned:
+            more = job.target - planned
+            unit = self._unit(self._kind_of(job))
+            unit, verb = (unit[:-1], "is") if more == 1 else (unit, "are")
+            note = (f"growing to {job.target} ranks ({planned} now) when {more} more {unit} "
+                    f"{verb} free")
+        job.resize_note = note
+        return note
 
     def _set_control(self, job: LiveJob, **flags: int) -> None:
         gen = job.gen

@@ -281,6 +281,9 @@ class SchedulerConfig:
     elastic_grow: grow elastic jobs into idle slots when nobody waits.
     can_grow: the cluster may still grow (a live cluster whose workers come and go): a job
         larger than the topology waits for workers instead of being rejected.
+    min_resize_interval_s: an elastic job is grown into idle slots at most this long after
+        its last start or resize, so a worker that comes and goes cannot restart it over and
+        over (shrinks for a lost worker or a waiting job are not held back).
     """
 
     order: str = "priority"
@@ -296,6 +299,7 @@ class SchedulerConfig:
     seed: int = 0
     elastic_grow: bool = True
     can_grow: bool = False
+    min_resize_interval_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.order not in ("priority", "fifo"):

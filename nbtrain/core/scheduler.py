@@ -193,6 +193,11 @@ class Scheduler(JobBook):
             idx = place_indices(trial, ev.size, j.req.layout, policy=self.config.placement,
                                 rng=self._rng)
         if idx is None:
+            if ev.size > j.size and j.req.elastic and (self.config.can_grow
+                                                       or ev.size <= self.n_online):
+                # The cluster can hold it: keep the new size and grow when enough slots are
+                # free at once (``_grow_elastic``), never onto part of them.
+                return
             self._set_request(j, old_req)
             out.append(RejectJob(ev.job_id, f"cannot resize {ev.job_id!r} to {ev.size} ranks "
                                             f"now ({self._state.n_free} slots free); it keeps "
@@ -573,9 +578,12 @@ class Scheduler(JobBook):
             (j for j in self._flex.values() if j.size < j.req.size),
             key=lambda j: (-j.req.priority, self._fair.key(j.req.team), j.seq),
         )
+        wait = self.config.min_resize_interval_s
         for j in grow:
             if self._state.n_free < j.req.layout.replica:
                 break
+            if wait and self.now - j.start_t < wait:
+                continue  # resized (or started) too recently: a flapping worker must not thrash it
             trial = self._copy(self._state)
             trial.release(j.idx)
             idx = self._fit(trial, j)

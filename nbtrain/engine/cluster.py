@@ -170,6 +170,7 @@ class Cluster:
 
     # -- jobs -----------------------------------------------------------------------------
     def submit(self, recipe: Any, *, world_size: int, steps: int | None = None,
+               min_size: int | None = None, max_size: int | None = None,
                name: str | None = None, config: Mapping[str, Any] | None = None,
                queue: bool = True, seed: int = 0, priority: int = 0,
                team: str = "default", checkpoint: int | str | None = "auto",
@@ -187,6 +188,10 @@ class Cluster:
         ``job.result()``), or an ``nbtrain.Recipe`` (``setup``/``step``, nbtrain's loop).
         ``steps``: steps to train (required for a Recipe; for a function None lets its loop
         decide).
+        ``min_size`` / ``max_size``: an elastic job, which runs at any size in between:
+        :meth:`JobHandle.resize` changes it, a lost worker without a spare shrinks it
+        (down to ``min_size``) instead of stopping it, and it grows back into free slots.
+        The global batch stays the same at every size (see the README's *Elastic jobs*).
 
         Returns a :class:`JobHandle` immediately; training runs in the background, in the
         cluster, and goes on if this kernel stops.
@@ -237,7 +242,8 @@ class Cluster:
             )
         job_id = uuid.uuid4().hex[:8]
         spec = JobSpec(job_id=job_id, name=name or f"{label}-{job_id[:4]}",
-                       world_size=world_size, steps=steps, queue=queue, seed=seed,
+                       world_size=world_size, steps=steps, min_size=min_size,
+                       max_size=max_size, queue=queue, seed=seed,
                        priority=priority, team=team, checkpoint=checkpoint, resume=resume,
                        max_restarts=max_restarts, restart_window_s=restart_window_s,
                        on_nonfinite=on_nonfinite, device=device,
@@ -377,6 +383,9 @@ def connect(address: str | Client | None = None, *, n_workers: int | None = None
             # use) GPU 0.
             kwargs["env"] = {"CUDA_VISIBLE_DEVICES": ""}
         kwargs.update(cluster_kwargs)
+        # Worker processes that may start children (DataLoader workers). Nannies read this
+        # each time they (re)start a worker, so it stays set in this process.
+        dask.config.set({"distributed.worker.daemon": False})
         with dask.config.set(config):
             local = EmbeddedCluster(n_workers=0 if gpu_ids else n, gpus=gpu_ids,
                                     threads_per_worker=1, processes=True, **kwargs)

@@ -122,7 +122,8 @@ class ClusterController(SchedulerPlugin):
                           host_failure_window_s=s.host_failure_window_s,
                           host_exclusion_s=s.host_exclusion_s,
                           worker_return_s=s.worker_return_s),
-            SchedulerConfig(team_weights=s.team_weight_map(), preempt_grace_s=s.preempt_grace_s),
+            SchedulerConfig(team_weights=s.team_weight_map(), preempt_grace_s=s.preempt_grace_s,
+                            min_resize_interval_s=s.resize_interval_s),
         )
         self.operator_hash = token_hash(s.operator_token) if s.operator_token else ""
         self.assets: dict[str, JobAssets] = {}
@@ -363,7 +364,7 @@ class ClusterController(SchedulerPlugin):
         futures: dict[int, Future] = {}
         for rank, address in enumerate(c.addresses):
             launch = RankLaunch(
-                job_id=c.job_id, rank=rank, world_size=spec.world_size,
+                job_id=c.job_id, rank=rank, world_size=len(c.addresses),
                 generation=c.generation, recipe=assets.recipe, steps=spec.steps,
                 seed=spec.seed, host_slots=per_host.get(hosts[rank], 1),
                 settings=assets.settings, checkpoint=plan,

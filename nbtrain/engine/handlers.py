@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["install"]
 
 #: Requests a job's owner (or the operator) may make.
-REQUESTS = ("stop", "preempt", "resume", "checkpoint", "inject", "stragglers")
+REQUESTS = ("stop", "preempt", "resume", "checkpoint", "inject", "stragglers", "resize")
 #: After the first news, a follower waits this long so rows of all ranks come in one reply.
 FOLLOW_BATCH_S = 0.02
 
@@ -141,8 +141,16 @@ async def request(ctl: ClusterController, *, job_id: str, what: str, arg: Any = 
         raise ValueError(
             f"job {status['name']} is {status['state']}: only a PREEMPTED job can resume(); "
             "to continue an ended job submit it again with resume='latest'")
+    if what == "resize":
+        arg = dict(arg)
+        if not isinstance(arg.get("size"), int) or isinstance(arg["size"], bool):
+            raise TypeError(f"resize(n): n must be an integer number of ranks, got "
+                            f"{arg.get('size')!r}")
     now, wall = ctl.now()
-    ctl.feed(Request(now, wall, job_id, what, arg))
+    commands = ctl.feed(Request(now, wall, job_id, what, arg))
+    rejected = [c for c in commands if isinstance(c, Rejected) and c.job_id == job_id]
+    if rejected:
+        raise ValueError(rejected[0].reason)
     return {"status": ctl.machine.status(job_id).to_dict()}
 
 

@@ -102,6 +102,27 @@ class JobHandle:
         return list(self._get("slots", []))
 
     @property
+    def size(self) -> int:
+        """Ranks it runs with now (0 while it holds no slots); an elastic job's size changes
+        with resizes, ``spec.world_size`` is the size it was submitted with."""
+        return int(self._get("size", 0))
+
+    @property
+    def target_size(self) -> int:
+        """The size asked for: ``world_size``, or the last :meth:`resize`."""
+        return int(self._get("target_size", self.spec.world_size))
+
+    @property
+    def size_bounds(self) -> tuple[int, int]:
+        """``(min_size, max_size)``: the sizes :meth:`resize` accepts."""
+        return self.spec.bounds
+
+    @property
+    def resize_note(self) -> str:
+        """Why the job runs below its target size ("" when it does not)."""
+        return str(self._get("resize_note", ""))
+
+    @property
     def step(self) -> int:
         """Steps completed (as last reported by rank 0)."""
         return int(self._get("step", 0))
@@ -232,6 +253,19 @@ class JobHandle:
                 f"continue an ended job submit it again with resume='latest'"
             )
         self._request("resume")
+
+    def resize(self, n: int, *, wait_for_workers: bool = False) -> None:
+        """Run with ``n`` ranks (between ``min_size`` and ``max_size``). Returns at once; at
+        the next agreed step boundary the ranks checkpoint, the generation ends and the next
+        one starts at ``n`` from that checkpoint, with the rest of the epoch split over the
+        new ranks (every sample once) and the global batch unchanged.
+
+        A shrink happens at once. Growth takes the slots that are free now (whole gangs
+        only) and waits for the rest (``resize_note`` says what for). A size above the
+        cluster's slots is refused unless ``wait_for_workers=True`` (then the job grows
+        when workers join). Events ``resize`` (phase requested/waiting/started/done) follow
+        it; raises ValueError with the bounds for a size the job may not have."""
+        self._request("resize", {"size": n, "wait_for_workers": wait_for_workers})
 
     def checkpoint(self) -> None:
         """Take a checkpoint at the next agreed step boundary (asynchronously)."""

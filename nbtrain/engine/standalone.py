@@ -53,7 +53,8 @@ class StandaloneCluster:
         proc = subprocess.Popen(
             [str(BIN / "dask"), "worker", self.address, "--nworkers", str(n), "--nthreads", "1",
              "--host", "127.0.0.1", "--name", name, "--no-dashboard"],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False", **(env or {})},
             start_new_session=True)
         self.procs.append(proc)
         return proc

@@ -8,6 +8,12 @@ at the control agreement (a MAX over ranks), so every rank checkpoints the same 
 Restore: each rank loads the newest committed checkpoint it can verify at or before the step
 the engine names; the ranks then agree (MIN/MAX all-reduce) on one step, falling back together
 if one of them could not load the newest, so no rank resumes from a different step.
+
+At another world size (an elastic resize, a recovery on fewer slots) the data-parallel state
+is the same in every shard, so rank r reads shard ``r % old world size``; the global data
+position is re-partitioned over the new ranks by the loader. RNG: a rank that existed when the
+checkpoint was taken restores its own RNG states; a new rank seeds torch, numpy and ``random``
+from (job seed, step, rank), so a run is reproducible for a given sequence of sizes.
 """
 
 from __future__ import annotations
@@ -22,8 +28,8 @@ import torch.distributed as dist
 from nbtrain.core.checkpoint_policy import CheckpointPolicy
 from nbtrain.runtime.async_ckpt import AsyncCheckpointer, SaveResult
 from nbtrain.runtime.launch import CheckpointPlan
-from nbtrain.runtime.loader import ShardedLoader
-from nbtrain.runtime.rng import capture_rng_state, restore_rng_state
+from nbtrain.runtime.loader import PositionedLoader
+from nbtrain.runtime.rng import capture_rng_state, restore_rng_state, seed_rng
 from nbtrain.runtime.snapshot import load_state
 from nbtrain.runtime.storage import CheckpointStore
 
@@ -33,11 +39,13 @@ __all__ = ["CheckpointPlan", "RankCheckpointing"]
 class RankCheckpointing:
     def __init__(self, plan: CheckpointPlan, *, rank: int, world_size: int, generation: int,
                  job: dict[str, Any], on_event: Callable[[str, dict[str, Any]], None],
+                 seed: int = 0,
                  state: dict[str, Any] | None = None,
-                 loader: ShardedLoader | None = None) -> None:
+                 loader: PositionedLoader | None = None) -> None:
         self.plan = plan
         self.rank = rank
         self.world_size = world_size
+        self.seed = seed
         self.state: dict[str, Any] = state if state is not None else {}
         self.loader = loader
         self.store = CheckpointStore(plan.url, keep=plan.keep)
@@ -48,7 +56,7 @@ class RankCheckpointing:
         )
         self.last_saved_step = -1
 
-    def bind(self, state: dict[str, Any], loader: ShardedLoader | None) -> None:
+    def bind(self, state: dict[str, Any], loader: PositionedLoader | None) -> None:
         """What checkpoints hold, known when the training loop starts."""
         self.state = state
         self.loader = loader
@@ -84,8 +92,11 @@ class RankCheckpointing:
         meta = payload["meta"]
         if self.loader is not None and "data" in meta:
             self.loader.load_state_dict(meta["data"])
-        if "rng" in meta:
+        assert result is not None
+        if "rng" in meta and result.shard_rank == self.rank:
             restore_rng_state(meta["rng"])
+        else:
+            seed_rng(self.seed, step, self.rank)
         self.policy = CheckpointPolicy(self.plan.policy, now=time.monotonic(), step=step)
         self.last_saved_step = step
         return step, skipped

@@ -16,8 +16,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
-from nbtrain.runtime.loader import ShardedLoader
+from nbtrain.runtime.loader import PositionedLoader, ShardedLoader
+from nbtrain.runtime.lr_rules import LRScaling
 from nbtrain.runtime.stepper import Stepper
+from nbtrain.runtime.stream import StreamLoader
 from nbtrain.runtime.timing import PhaseTimer
 
 __all__ = ["LoopDriver", "LoopEnded", "RankContext"]
@@ -54,8 +56,11 @@ class RankContext:
     seed: int
     host: str
     step: int = 0
+    #: The size the job was submitted with (the reference of :meth:`scale_lr`).
+    base_world_size: int = 0
     timer: PhaseTimer = field(default_factory=PhaseTimer)
-    _loader: ShardedLoader | None = None
+    _loader: PositionedLoader | None = None
+    _lr: LRScaling | None = None
     _state: dict[str, Any] = field(default_factory=dict)  # what checkpoints hold
     _reported: dict[str, float] = field(default_factory=dict)  # this step's metrics
     _driver: LoopDriver | None = None
@@ -84,9 +89,12 @@ class RankContext:
         shuffle: bool = True,
         drop_last: bool = True,
         collate_fn: Any = None,
+        num_workers: int = 0,
     ) -> ShardedLoader:
-        """A loader giving this rank its slice of each global batch (seeded, restart-safe)."""
-        self._loader = ShardedLoader(
+        """A loader giving this rank its slice of each global batch (seeded, restart-safe,
+        the same batches at every world size). ``num_workers``: DataLoader worker processes
+        that load and prefetch the samples."""
+        loader = ShardedLoader(
             dataset,
             global_batch_size=global_batch_size,
             rank=self.rank,
@@ -95,8 +103,24 @@ class RankContext:
             shuffle=shuffle,
             drop_last=drop_last,
             collate_fn=collate_fn,
+            num_workers=num_workers,
         )
-        return self._loader
+        self._loader = loader
+        return loader
+
+    def scale_lr(self, optimizer: torch.optim.Optimizer, rule: str = "linear", *,
+                 base_world_size: int | None = None, scheduler: Any = None) -> float:
+        """Scale the learning rate with the world size, for a job whose per-rank batch is
+        fixed (``ctx.batches(..., batch_size=...)``, so the global batch grows with the
+        ranks): ``"linear"`` multiplies it by ``world_size / base_world_size``, ``"sqrt"``
+        by the square root of that. ``base_world_size``: the size the LR was tuned for
+        (default: the size the job was submitted with). Applied again after every restore
+        and resize (relative to what is applied, so an LR scheduler's decay is kept; pass
+        the ``scheduler`` so its base LRs follow). Returns the factor; the job's ``data``
+        event names it."""
+        self._lr = LRScaling(optimizer, rule, base_world_size or self.base_world_size
+                             or self.world_size, scheduler=scheduler)
+        return self._lr.apply(self.world_size)
 
     # -- a training function's side ----------------------------------------------------------
     def track(self, **objects: Any) -> None:
@@ -125,29 +149,58 @@ class RankContext:
         self._reported.update(metrics)
 
     def batches(self, data: Dataset[Any] | Iterable[Any], *,
-                global_batch_size: int | None = None, shuffle: bool = True,
-                drop_last: bool = True, collate_fn: Any = None) -> Iterator[Any]:
+                global_batch_size: int | None = None, batch_size: int | None = None,
+                shuffle: bool = True, drop_last: bool = True, collate_fn: Any = None,
+                num_workers: int = 0) -> Iterator[Any]:
         """The training loop: one step per iteration, each with this rank's batch.
 
-        ``data`` a map-style dataset: nbtrain shards each global batch of
-        ``global_batch_size`` over the ranks from one seeded order, and the data position is
-        part of every checkpoint (exactly-once across restarts). Any other iterable (your own
-        ``DataLoader``) is used as it is: each rank takes its own batches, and its position is
-        not restored (a resumed job starts it from its beginning).
+        With ``global_batch_size`` (or ``batch_size``, per rank: the global batch is then
+        ``batch_size * world_size`` and changes with a resize; see :meth:`scale_lr`) nbtrain
+        shards each global batch over the ranks, and the global data position is part of
+        every checkpoint: every sample of an epoch is used exactly once across restarts and
+        resizes, at any world size.
 
-        The loop ends after the job's ``steps``; a stop, preemption or halt ends it at a step
-        boundary and skips the rest of the training function.
+        - ``data`` a map-style dataset (``__len__``, ``__getitem__``): one seeded order per
+          epoch (``shuffle``); ``num_workers``: DataLoader worker processes prefetch it.
+        - ``data`` an iterable dataset: every rank reads the stream and keeps its slice
+          (contract in :mod:`nbtrain.runtime.stream`: the same samples each time it is
+          iterated, per ``set_epoch``).
+        - Without a batch size, ``data`` (your own ``DataLoader``) is used as it is: each rank
+          takes its own batches and the position is not restored (a resumed job starts it
+          from its beginning).
+
+        A global batch that does not divide by the world size is split as evenly as it goes
+        (sizes differ by one) and the gradient all-reduce weighs each rank by its share, so
+        the step equals one over the whole global batch.
+
+        The loop ends after the job's ``steps``; a stop, preemption, resize or halt ends it
+        at a step boundary and skips the rest of the training function.
         """
-        if isinstance(data, Dataset) or (hasattr(data, "__getitem__")
-                                         and hasattr(data, "__len__")):
-            if global_batch_size is None:
+        if batch_size is not None:
+            if global_batch_size is not None:
+                raise TypeError("ctx.batches(...): give global_batch_size (kept at every world "
+                                "size) or batch_size (per rank), not both")
+            global_batch_size = batch_size * self.world_size
+        if global_batch_size is None:
+            if isinstance(data, Dataset) or (hasattr(data, "__getitem__")
+                                             and hasattr(data, "__len__")):
                 raise TypeError("ctx.batches(dataset, global_batch_size=...): the global batch "
                                 "size is needed to shard a dataset over the ranks")
-            loader = self.loader(data, global_batch_size=global_batch_size,  # type: ignore[arg-type]
-                                 shuffle=shuffle, drop_last=drop_last, collate_fn=collate_fn)
-            return self._loop(lambda: _to_device(loader.next_batch(), self.device))
-        it = iter(data)
-        return self._loop(lambda: _to_device(next(it), self.device))
+            it = iter(data)
+            return self._loop(lambda: _to_device(next(it), self.device))
+        if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
+            self.loader(data, global_batch_size=global_batch_size,  # type: ignore[arg-type]
+                        shuffle=shuffle, drop_last=drop_last, collate_fn=collate_fn,
+                        num_workers=num_workers)
+        else:
+            if num_workers:
+                raise ValueError("num_workers is for map-style datasets; an iterable dataset "
+                                 "is read by every rank (see nbtrain.runtime.stream)")
+            self._loader = StreamLoader(data,  # type: ignore[arg-type]
+                                        global_batch_size=global_batch_size,
+                                        rank=self.rank, world_size=self.world_size,
+                                        drop_last=drop_last, collate_fn=collate_fn)
+        return self._loop(self.next_batch)
 
     def steps(self) -> Iterator[int]:
         """The training loop without data from nbtrain: yields the step number (1, 2, ...);
@@ -180,6 +233,19 @@ class RankContext:
             if ending:
                 raise LoopEnded(stepper.outcome or "stopped")
 
+    def restored(self) -> dict[str, Any]:
+        """Called once the checkpoint is restored: applies the LR rule at this world size and
+        returns where the data stands and how batch and LR are set (the ``data`` event)."""
+        info: dict[str, Any] = {"world_size": self.world_size, "step": self.step}
+        loader = self._loader
+        if loader is not None:
+            info.update(loader.state_dict())
+            info["global_batch_size"] = getattr(loader, "global_batch_size", None)
+        if self._lr is not None:
+            info.update(lr_rule=self._lr.rule, lr_factor=self._lr.apply(self.world_size),
+                        lr_base_world_size=self._lr.base_world_size)
+        return info
+
     def next_batch(self) -> Any:
         if self._loader is None:
             raise RuntimeError(
@@ -187,6 +253,7 @@ class RankContext:
                 "or override Recipe.next_batch(ctx)"
             )
         batch = self._loader.next_batch()
+        self.timer.grad_weight = self._loader.last_share
         return _to_device(batch, self.device)
 
 

@@ -55,7 +55,9 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
     torch.set_num_threads(threads)
     device = _device(launch.device)
     ctx = RankContext(job_id=launch.job_id, rank=launch.rank, world_size=launch.world_size,
-                      generation=launch.generation, device=device, seed=launch.seed, host=host)
+                      generation=launch.generation, device=device, seed=launch.seed, host=host,
+                      base_world_size=int((launch.job_info or {}).get("world_size")
+                                          or launch.world_size))
     recipe: Recipe | None = None
     control: ControlChannel | None = None
     ckpt: RankCheckpointing | None = None
@@ -72,7 +74,7 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
         if launch.checkpoint is not None:
             ckpt = RankCheckpointing(
                 launch.checkpoint, rank=launch.rank, world_size=launch.world_size,
-                generation=launch.generation, job=launch.job_info or {},
+                generation=launch.generation, job=launch.job_info or {}, seed=launch.seed,
                 on_event=lambda kind, info: emitter.emit("checkpoint", phase=kind, **info))
         stepper = Stepper(timer=ctx.timer, steps=launch.steps, control=control, emitter=emitter,
                           checkpointing=ckpt,
@@ -164,6 +166,10 @@ class _Driver:
             step, skipped = self.ckpt.restore()
         self.stepper.start(step)
         self.started = True
+        ctx.step = step
+        data = ctx.restored()
+        if ctx.rank == 0:
+            self.emitter.emit("data", **data)
         self.emitter.emit("rank_started", host=ctx.host, pid=os.getpid(),
                           device=str(ctx.device), startup_s=time.perf_counter() - self.t0,
                           start_step=step, skipped=[f"step {s}: {why}" for s, why in skipped])

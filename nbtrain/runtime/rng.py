@@ -79,3 +79,18 @@ def restore_rng_state(state: dict[str, Any]) -> list[str]:
                     f"{torch.cuda.device_count()} device(s); restored the first {n}"
                 )
     return notes
+
+
+def seed_rng(seed: int, step: int, rank: int) -> int:
+    """Seed torch (CPU and CUDA), numpy and ``random`` for a rank that has no RNG state of its
+    own in the checkpoint it resumes from (it did not exist at that world size): from (job
+    seed, step, rank), so the same sequence of sizes gives the same run. Returns the seed."""
+    import random
+
+    import numpy as np
+
+    derived = int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
+    torch.manual_seed(derived)
+    np.random.seed(derived)
+    random.seed(derived)
+    return derived

@@ -98,6 +98,7 @@ class RestoreResult:
     payload: Any
     manifest: Manifest
     skipped: list[tuple[int, str]] = field(default_factory=list)  # (step, why) newest first
+    shard_rank: int = -1  # the shard read (another rank's when the world size changed)
 
 
 def shard_name(rank: int, world_size: int) -> str:
@@ -560,10 +561,12 @@ class CheckpointStore:
         """Load the newest committed checkpoint that is intact; None if there is none at all.
 
         Falls back past corrupt, foreign, version-mismatched or incomplete checkpoints and lists
-        them in ``skipped``. ``verify_all`` checks every rank's shard, not only this one, so all
-        ranks fall back to the same step without talking to each other (the price: every rank
-        reads every shard once). Raises ``CheckpointError`` when checkpoints exist but none can
-        be loaded, rather than silently starting from scratch.
+        them in ``skipped``. A checkpoint written at another ``world_size`` holds data-parallel
+        (replicated) state: this rank reads shard ``rank % its world size``
+        (``RestoreResult.shard_rank`` says which). ``verify_all`` checks every rank's shard,
+        not only this one, so all ranks fall back to the same step without talking to each
+        other (the price: every rank reads every shard once). Raises ``CheckpointError`` when
+        checkpoints exist but none can be loaded, rather than silently starting from scratch.
         """
         skipped: list[tuple[int, str]] = []
         for step in self._steps_on_disk():
@@ -571,19 +574,17 @@ class CheckpointStore:
                 continue
             try:
                 manifest = self.read_manifest(step)
+                shard = rank
                 if world_size is not None and manifest.world_size != world_size:
-                    raise CheckpointError(
-                        manifest.path,
-                        f"written by world_size {manifest.world_size}, this job runs "
-                        f"{world_size}: resharding is not supported by this loader",
-                    )
+                    shard = rank % manifest.world_size
                 if verify_all:
-                    self.verify(step, ranks=[s.rank for s in manifest.shards if s.rank != rank])
-                payload = self.load_shard(step, rank, manifest=manifest)
+                    self.verify(step, ranks=[s.rank for s in manifest.shards if s.rank != shard])
+                payload = self.load_shard(step, shard, manifest=manifest)
             except CheckpointError as e:
                 skipped.append((step, str(e)))
                 continue
-            return RestoreResult(step=step, payload=payload, manifest=manifest, skipped=skipped)
+            return RestoreResult(step=step, payload=payload, manifest=manifest, skipped=skipped,
+                                 shard_rank=shard)
         committed_like = [s for s, why in skipped if "never committed" not in why]
         if committed_like:
             raise CheckpointError(

@@ -19,9 +19,17 @@ import torch.distributed as dist
 
 
 class PhaseTimer:
-    """Collects the comm-wait and optimizer time of the current step."""
+    """Collects the comm-wait and optimizer time of the current step.
+
+    ``grad_weight``: this rank's share of the step's global batch, set by the loader each
+    step. The all-reduce sums gradients weighted by it, so the result is the gradient of the
+    global batch's mean loss also when the batch does not split evenly over the ranks (an
+    elastic job at a world size that does not divide it); None (a loader nbtrain does not
+    shard) weighs every rank 1/world_size, as DDP does.
+    """
 
     def __init__(self) -> None:
+        self.grad_weight: float | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -51,15 +59,17 @@ class PhaseTimer:
 
 
 def _timed_allreduce_hook(timer, bucket):  # type: ignore[no-untyped-def]
-    """DDP's default all-reduce (average), timestamped at call and completion.
+    """DDP's all-reduce (a mean weighted by each rank's share of the global batch),
+    timestamped at call and completion.
 
     Unannotated on purpose: DDP compares the annotations with the real classes, and this
     module's postponed (string) annotations would fail that check.
     """
     timer._last_hook = time.perf_counter()
     group = dist.group.WORLD
-    world = dist.get_world_size(group)
-    buf = bucket.buffer().div_(world)
+    weight = timer.grad_weight
+    buf = (bucket.buffer().mul_(weight) if weight is not None
+           else bucket.buffer().div_(dist.get_world_size(group)))
     fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
 
     def _done(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:

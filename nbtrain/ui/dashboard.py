@@ -8,7 +8,8 @@ returns immediately and the controller does the work, so the kernel stays free.
 
 Controls appear as the handle grows them: Stop always; Preempt/Resume and Checkpoint now
 when the handle has ``preempt``/``resume``/``checkpoint``; the fault-injection panel when it
-has ``inject``; a resize slider when it has ``resize``.
+has ``inject``; a resize slider when it has ``resize`` (bounded by the job's ``min_size`` and
+``max_size``, disabled with the reason when the job cannot be resized).
 """
 
 from __future__ import annotations
@@ -27,7 +28,14 @@ import ipywidgets as widgets
 from nbtrain.engine.job import JobHandle
 from nbtrain.ui.display import dashboard_hz, in_kernel, resolve_display
 from nbtrain.ui.eventlog import EventLog
-from nbtrain.ui.plots import PHASES, MetricPlot, PhaseSplitPlot, StepTimePlot, ThroughputPlot
+from nbtrain.ui.plots import (
+    PHASES,
+    GenerationMarks,
+    MetricPlot,
+    PhaseSplitPlot,
+    StepTimePlot,
+    ThroughputPlot,
+)
 from nbtrain.ui.poller import Poller
 
 STATE_COLOURS = {"RUNNING": "#2a7", "SUCCEEDED": "#27a", "FAILED": "#c33", "QUEUED": "#a80",
@@ -94,12 +102,14 @@ class JobDashboard(widgets.VBox):
         self._last_goodput_poll = 0.0
         self.rows_drawn = 0
 
-        world = job.spec.world_size
+        world = max(job.spec.world_size, job.size_bounds[1])  # an elastic job may grow
         self.step_plot = StepTimePlot(world, lines_max_ranks=lines_max_ranks,
                                       window_steps=window_steps, max_points=max_points)
         self.split_plot = PhaseSplitPlot(width=330)
         self.loss_plot = MetricPlot("loss", width=520)
         self.rate_plot = ThroughputPlot(width=330)
+        self.marks = GenerationMarks([self.step_plot.figure, self.loss_plot.figure,
+                                      self.rate_plot.figure])
         self.plots = BokehModel(column(
             row(self.step_plot.figure, self.split_plot.figure),
             row(self.loss_plot.figure, self.rate_plot.figure),
@@ -115,7 +125,10 @@ class JobDashboard(widgets.VBox):
         self.message = widgets.HTML()
         self.buttons: dict[str, widgets.Button] = {}
         controls = self._build_controls()
-        #: Room for the elastic resize slider and the shared-queue view as those land.
+        #: The elastic resize slider (disabled, with the reason, when the job cannot resize).
+        self.resize_slider: widgets.IntSlider | None = None
+        self._resize_target = -1
+        self.resize_status = widgets.HTML()
         self.resize_box = widgets.HBox(self._build_resize())
         self.extras = widgets.VBox()
         self.fault_panel = self._build_fault_panel()
@@ -158,6 +171,7 @@ class JobDashboard(widgets.VBox):
             self.split_plot.add(rows)
             self.loss_plot.add(rows)
             self.rate_plot.add(rows)
+            self.marks.add(rows, self.eventlog.describe_generation)
             self.rows_drawn += len(rows)
         if new_events:
             self.step_plot.mark_slow(set(self.eventlog.stragglers))
@@ -296,26 +310,62 @@ class JobDashboard(widgets.VBox):
         wanted = {"stop": not terminal, "preempt": holds, "resume": state == "PREEMPTED",
                   "checkpoint": state == "RUNNING", "inject": state == "RUNNING",
                   "resize": not terminal}
+        why_not = self._resize_blocked(state)
+        wanted["resize"] = not why_not
         for key, button in self.buttons.items():
             disabled = not wanted.get(key, not terminal)
             if button.disabled != disabled:
                 button.disabled = disabled
+        if self.resize_slider is not None:
+            self._update_resize(why_not)
+
+    def _resize_blocked(self, state: str) -> str:
+        """Why the slider cannot resize the job now ("" when it can)."""
+        lo, hi = self.job.size_bounds
+        if lo == hi:
+            return (f"fixed size ({lo} ranks): submit with min_size= / max_size= to make the "
+                    "job elastic")
+        if self.job.status.terminal:
+            return f"the job has ended ({state})"
+        if state == "STOPPING":
+            return "the job is stopping (a resize, preemption or stop is under way)"
+        return ""
+
+    def _update_resize(self, why_not: str) -> None:
+        assert self.resize_slider is not None
+        slider = self.resize_slider
+        target = self.job.target_size
+        if target != self._resize_target:  # follow resizes made elsewhere (the API)
+            self._resize_target = target
+            slider.value = min(max(target, slider.min), slider.max)
+        if slider.disabled != bool(why_not):
+            slider.disabled = bool(why_not)
+        size = self.job.size
+        note = why_not or self.job.resize_note or (
+            f"{size} ranks now" + (f", resizing to {target}" if size and size != target
+                                   else ""))
+        text = f"<span style='color:#666'>{html.escape(note)}</span>"
+        if self.resize_status.value != text:
+            self.resize_status.value = text
 
     def _build_resize(self) -> list[widgets.Widget]:
         resize = getattr(self.job, "resize", None)
         if not callable(resize):
             return []
-        spec = self.job.spec
-        low = spec.min_size or 1
-        slider = widgets.IntSlider(value=spec.world_size, min=low,
-                                   max=max(spec.world_size, low + 1), description="ranks")
-        button = widgets.Button(description="Resize", tooltip="resize the gang at the next "
-                                "step boundary (from the last checkpoint)")
+        lo, hi = self.job.size_bounds
+        slider = widgets.IntSlider(value=self.job.spec.world_size, min=lo, max=max(hi, lo + 1),
+                                   description="ranks", continuous_update=False)
+        slider.add_class("nbtrain-resize-slider")
+        button = widgets.Button(description="Resize", tooltip="resize at the next step "
+                                "boundary: checkpoint, restart at the new size, the rest of the "
+                                "epoch split over the new ranks")
         button.add_class("nbtrain-resize")
-        button.on_click(lambda _b: self._act("resize", resize, slider.value))
+        button.on_click(lambda _b: self._act(f"resize to {slider.value}", resize,
+                                             slider.value))
         self.buttons["resize"] = button
         self.resize_slider = slider
-        return [slider, button]
+        self.resize_status.add_class("nbtrain-resize-status")
+        return [slider, button, self.resize_status]
 
     def _build_fault_panel(self) -> widgets.Widget | None:
         inject = getattr(self.job, "inject", None)

@@ -77,6 +77,7 @@ class EventLog:
     restarts: int = 0
     failures: int = 0
     resizes: int = 0
+    resized_generations: dict[int, tuple[Any, Any]] = field(default_factory=dict)
     goodput: float | None = None
     goodput_parts: dict[str, float] = field(default_factory=dict)
     events_seen: int = 0
@@ -204,12 +205,44 @@ class EventLog:
         return Alert(when, "info", "recovery",
                      f"recovered: generation {ev.get('generation', '?')}{rec_txt}{lost_txt}")
 
-    def _on_resize(self, ev: dict[str, Any], when: float | None) -> Alert:
+    def _on_resize(self, ev: dict[str, Any], when: float | None) -> Alert | None:
+        phase = str(ev.get("phase", "done"))
+        old, new = ev.get("old", "?"), ev.get("new", "?")
+        reason = f" ({ev['reason']})" if ev.get("reason") else ""
+        if phase == "started":
+            gen = _int_or_none(ev.get("generation"))
+            if gen is not None:
+                self.resized_generations[gen] = (old, new)
+            return None  # "requested" and "done" say it
+        if phase == "requested":
+            return Alert(when, "info", "resize", f"resizing {old} -> {new} ranks at the next "
+                                                 f"step boundary{reason}")
+        if phase == "waiting":
+            return Alert(when, "info", "resize", str(ev.get("reason") or
+                                                     f"waiting to grow to {new} ranks"))
         self.resizes += 1
-        old = ev.get("from", ev.get("old"))
-        new = ev.get("to", ev.get("new", ev.get("world_size")))
-        reason = f": {ev['reason']}" if ev.get("reason") else ""
-        return Alert(when, "info", "resize", f"resized {old} -> {new} ranks{reason}")
+        took = ev.get("duration_s")
+        took_txt = f" in {float(took):.1f} s" if took is not None else ""
+        return Alert(when, "info", "resize", f"resized {old} -> {new} ranks{took_txt}")
+
+    def _on_data(self, ev: dict[str, Any], when: float | None) -> Alert:
+        """Where a generation's data starts: the global position, split over its ranks."""
+        parts = [f"step {ev.get('step', '?')}: {ev.get('world_size', '?')} ranks"]
+        if ev.get("global_batch_size") is not None:
+            parts.append(f"global batch {ev['global_batch_size']}, continuing at sample "
+                         f"{ev.get('cursor', '?')} of epoch {ev.get('epoch', '?')}")
+        if ev.get("lr_rule"):
+            parts.append(f"LR x{float(ev.get('lr_factor') or 1.0):.3g} ({ev['lr_rule']} rule, "
+                         f"base {ev.get('lr_base_world_size')} ranks)")
+        return Alert(when, "info", "data", "; ".join(parts))
+
+    def describe_generation(self, gen: int) -> tuple[str, str]:
+        """What started generation ``gen`` (for the plots' marks): ("resize", "2→1 ranks")
+        or ("restart", "restart")."""
+        sizes = self.resized_generations.get(gen)
+        if sizes is not None:
+            return "resize", f"{sizes[0]}\u2192{sizes[1]} ranks"
+        return "restart", f"gen {gen}"
 
     def _on_goodput(self, ev: dict[str, Any], when: float | None) -> None:
         fraction = ev.get("fraction")

@@ -8,17 +8,22 @@ pictures.
 
 A step row is the JobHandle's tuple ``nbtrain.core.records.JOB_ROW_COLUMNS`` followed by the
 metrics dict.
+
+Generations: a line never joins the last step of one generation to the first of the next (a
+restart resumes from its checkpoint, a resize changes the ranks): a NaN point breaks it there,
+and :class:`GenerationMarks` draws a dashed line at each new generation with what it was.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 from bokeh.models import AdaptiveTicker, ColumnDataSource, HoverTool, LinearColorMapper
-from bokeh.models.annotations import ColorBar
+from bokeh.models.annotations import ColorBar, Label, Span
 from bokeh.palettes import Category10, Viridis256
 from bokeh.plotting import figure
 from bokeh.transform import transform
@@ -73,6 +78,17 @@ def _legend_below(fig: Any) -> None:
     fig.add_layout(legend, "below")
 
 
+def _break_lines(cols: dict[str, list[Any]], last_gen: dict[int, int], key: int, gen: int,
+                 step: int) -> None:
+    """Before the first point of a new generation of line ``key``, a NaN point at its step:
+    Bokeh breaks the line there."""
+    if last_gen.get(key, gen) != gen:
+        fixed = {"step": step, "generation": gen, "rank": key}
+        for name, values in cols.items():
+            values.append(fixed.get(name, math.nan))
+    last_gen[key] = gen
+
+
 def rank_colour(rank: int) -> str:
     return str(Category10[10][rank % 10])
 
@@ -97,6 +113,7 @@ class StepTimePlot:
         self.sources: dict[int, ColumnDataSource] = {}
         self._renderers: dict[int, Any] = {}
         self._slow: set[int] = set()
+        self._last_gen: dict[int, int] = {}
         if self.mode == "heatmap":
             self.figure.yaxis.axis_label = "rank"
             self.mapper = LinearColorMapper(palette=Viridis256, low=0.0, high=1.0)
@@ -139,6 +156,8 @@ class StepTimePlot:
             cols = by_rank.get(rank)
             if cols is None:
                 cols = by_rank[rank] = self._empty()
+            if self.mode == "lines":
+                _break_lines(cols, self._last_gen, rank, int(row[GEN]), int(row[STEP]))
             cols["step"].append(int(row[STEP]))
             cols["rank"].append(rank)
             cols["generation"].append(int(row[GEN]))
@@ -258,6 +277,7 @@ class MetricPlot:
                  height: int = 220) -> None:
         self.key = key
         self.window = window
+        self._last_gen: dict[int, int] = {}
         self.source = ColumnDataSource({"step": [], "value": [], "generation": []},
                                        name=f"metric-{key}")
         self.figure = _figure(key, width, height, x_axis_label="step")
@@ -273,6 +293,7 @@ class MetricPlot:
             value = row[METRICS].get(self.key)
             if value is None:
                 continue
+            _break_lines(cols, self._last_gen, 0, int(row[GEN]), int(row[STEP]))
             cols["step"].append(int(row[STEP]))
             cols["value"].append(float(value))
             cols["generation"].append(int(row[GEN]))
@@ -305,6 +326,9 @@ class ThroughputPlot:
             if int(row[RANK]) != 0:
                 continue
             if self._gen != int(row[GEN]):  # a restart: do not count the gap as slowness
+                if self._gen is not None:
+                    cols["step"].append(int(row[STEP]))
+                    cols["steps_per_s"].append(math.nan)  # and do not join the lines
                 self._gen = int(row[GEN])
                 self._times.clear()
             self._times.append(float(row[TIME]))
@@ -318,3 +342,51 @@ class ThroughputPlot:
         if cols["step"]:
             self.source.stream(cols, rollover=self.window)
         return len(cols["step"])
+
+
+class GenerationMarks:
+    """A dashed vertical line on each figure at the first step of every new generation,
+    labelled with what started it: a resize (``"2→1 ranks"``, purple) or a restart (orange).
+    At most ``keep`` marks (the oldest go)."""
+
+    COLOURS = {"resize": "#9467bd", "restart": "#ff7f0e"}
+
+    def __init__(self, figures: Sequence[Any], *, keep: int = 40) -> None:
+        self.figures = list(figures)
+        self.keep = keep
+        self._gen: int | None = None
+        self.marks: deque[tuple[int, int, str]] = deque()  # (generation, step, label)
+        self._drawn: deque[list[Any]] = deque()
+
+    def add(self, rows: Iterable[Row], describe: Any) -> int:
+        """Mark the new generations among rank 0's ``rows``; ``describe(generation)`` gives
+        ``(kind, label)``. Returns how many marks were added."""
+        added = 0
+        for row in rows:
+            if int(row[RANK]) != 0:
+                continue
+            gen = int(row[GEN])
+            if self._gen is not None and gen != self._gen:
+                kind, label = describe(gen)
+                self._mark(gen, int(row[STEP]), kind, label)
+                added += 1
+            self._gen = gen
+        return added
+
+    def _mark(self, gen: int, step: int, kind: str, label: str) -> None:
+        colour = self.COLOURS.get(kind, "#7f7f7f")
+        models = []
+        for fig in self.figures:
+            span = Span(location=step - 0.5, dimension="height", line_color=colour,
+                        line_dash="dashed", line_width=1.5)
+            text = Label(x=step - 0.5, y=4, y_units="screen", text=label, text_color=colour,
+                         text_font_size="8pt", x_offset=3)
+            fig.add_layout(span)
+            fig.add_layout(text)
+            models.append((fig, span, text))
+        self.marks.append((gen, step, label))
+        self._drawn.append(models)
+        while len(self.marks) > self.keep:
+            self.marks.popleft()
+            for fig, span, text in self._drawn.popleft():
+                fig.center = [m for m in fig.center if m is not span and m is not text]

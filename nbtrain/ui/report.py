@@ -27,6 +27,7 @@ from nbtrain.ui.plots import (
     RANK,
     STEP,
     STEP_S,
+    GenerationMarks,
     MetricPlot,
     PhaseSplitPlot,
     StepTimePlot,
@@ -123,11 +124,13 @@ def write_report(job: Any, path: str, *, max_steps: int = 5000, alerts: int = 20
     rate = ThroughputPlot(window=max_steps + 1, width=380)
     for plot in (step_plot, split, loss, rate):
         plot.add(rows)
+    log = _fold_events(job)
+    GenerationMarks([step_plot.figure, loss.figure, rate.figure]).add(
+        rows, log.describe_generation)
     layout = column(row(step_plot.figure, split.figure), row(loss.figure, rate.figure))
     script, div = components(layout)
     resources = Resources(mode="inline", components=["bokeh"])
 
-    log = _fold_events(job)
     alert_rows = "".join(
         f"<tr class='{a.level}'><td class='l'>"
         f"{time.strftime('%H:%M:%S', time.localtime(a.time)) if a.time else ''}</td>"
