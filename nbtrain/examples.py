@@ -92,3 +92,29 @@ def digits_train(ctx: RankContext, config: dict[str, Any]) -> dict[str, float]:
         ctx.report(loss=loss.item())
     recipe.model, recipe.test = model, digits("test")
     return {"val_acc": recipe.accuracy(ctx), "steps": float(ctx.step)}
+
+
+def elastic_digits_train(ctx: RankContext, config: dict[str, Any]) -> None:
+    """``digits_train`` for elastic jobs: the same model and data at any world size, each
+    step's sample ids recorded to ``config["ids_dir"]`` (when given) for
+    :func:`nbtrain.accounting.account`; ``step_sleep`` slows each step (to watch resizes)."""
+    import time
+
+    from nbtrain.accounting import Indexed, SampleLog
+
+    recipe = DigitsMLP(hidden=config.get("hidden", 256), layers=config.get("layers", 2),
+                       batch_size=config.get("batch_size", 128), lr=config.get("lr", 2e-3))
+    model = ctx.prepare(recipe.build_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr)
+    ctx.track(model=model, optimizer=opt)
+    log = SampleLog(config["ids_dir"]) if config.get("ids_dir") else None
+    for x, y, ids in ctx.batches(Indexed(digits("train")), global_batch_size=recipe.batch_size,
+                                 num_workers=config.get("num_workers", 0)):
+        if log is not None:
+            log.record(ctx, ids)
+        time.sleep(config.get("step_sleep", 0.0))
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ctx.report(loss=loss.item())

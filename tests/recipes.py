@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import nbtrain
+from nbtrain.accounting import Indexed, SampleLog
 from nbtrain.runtime.loader import ShardedLoader
 
 
@@ -144,29 +144,6 @@ def diverging_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> None:
         ctx.report(loss=loss.item())
 
 
-class IndexedRegression(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    """``regression_data`` whose samples also carry their index (to account for every
-    sample a committed step consumed)."""
-
-    def __init__(self, n: int = 256) -> None:
-        self.data = regression_data(n)
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        x, y = self.data[i]
-        return x, y, i
-
-
-def _log_ids(out_dir: str, ctx: nbtrain.RankContext, ids: torch.Tensor) -> None:
-    """One line per step: the step this rank is running and the sample ids it got."""
-    path = Path(out_dir) / f"ids-g{ctx.generation}-r{ctx.rank}.jsonl"
-    with open(path, "a") as f:
-        f.write(json.dumps({"step": ctx.step + 1, "world_size": ctx.world_size,
-                            "ids": [int(i) for i in ids]}) + "\n")
-
-
 class ElasticRegression(Regression):
     """``Regression`` over ``IndexedRegression``, logging each step's sample ids;
     ``num_workers``: DataLoader worker processes prefetch the batches."""
@@ -180,14 +157,14 @@ class ElasticRegression(Regression):
     def setup(self, ctx: nbtrain.RankContext) -> dict[str, Any]:
         self.model = ctx.prepare(make_model())
         self.opt = torch.optim.SGD(self.model.parameters(), lr=self.lr, momentum=0.9)
-        ctx.loader(IndexedRegression(self.n), global_batch_size=self.batch,
+        ctx.loader(Indexed(regression_data(self.n)), global_batch_size=self.batch,
                    num_workers=self.num_workers)
         return {"model": self.model, "optimizer": self.opt}
 
     def step(self, ctx: nbtrain.RankContext, batch: Any) -> dict[str, float]:
         x, y, ids = batch
         assert self.out_dir is not None
-        _log_ids(self.out_dir, ctx, ids)
+        SampleLog(self.out_dir).record(ctx, ids)
         return super().step(ctx, (x, y))
 
 
@@ -197,9 +174,9 @@ def elastic_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=config.get("lr", 0.05), momentum=0.9)
     ctx.track(model=model, optimizer=opt)
     try:
-        for x, y, ids in ctx.batches(IndexedRegression(config["n"]),
+        for x, y, ids in ctx.batches(Indexed(regression_data(config["n"])),
                                      global_batch_size=config["batch"]):
-            _log_ids(config["out_dir"], ctx, ids)
+            SampleLog(config["out_dir"]).record(ctx, ids)
             time.sleep(config.get("step_sleep", 0.0))
             loss = F.mse_loss(model(x), y)
             opt.zero_grad()
@@ -208,37 +185,3 @@ def elastic_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> None:
             ctx.report(loss=loss.item())
     finally:
         torch.save(model.module.state_dict(), Path(config["out_dir"]) / f"rank{ctx.rank}.pt")
-
-
-def committed_ids(out_dir: str | Path, final_step: int) -> dict[int, list[int]]:
-    """Sample ids of steps 1..final_step as the run that produced the final model consumed
-    them: each step from the last generation that ran it (a restart re-runs the steps after
-    its checkpoint), all ranks of it together."""
-    runs: dict[int, dict[int, list[int]]] = {}  # step -> generation -> ids
-    for path in Path(out_dir).glob("ids-g*-r*.jsonl"):
-        gen = int(path.name.split("-")[1][1:])
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            runs.setdefault(rec["step"], {}).setdefault(gen, []).extend(rec["ids"])
-    return {s: runs[s][max(runs[s])] for s in range(1, final_step + 1) if s in runs}
-
-
-def exactly_once_report(ids_by_step: dict[int, list[int]], final_step: int, n: int,
-                        batch: int, seed: int = 0) -> tuple[int, int]:
-    """(duplicates, missing) per epoch over steps 1..final_step: an id consumed twice in an
-    epoch is a duplicate; an id of the epoch's global batches (nbtrain's seeded order, as a
-    run without restarts would consume them) that no committed step consumed is missing."""
-    from nbtrain.core.data import epoch_order
-
-    per_epoch = n // batch
-    seen: dict[int, list[int]] = {}
-    expected: dict[int, set[int]] = {}
-    for step in range(1, final_step + 1):
-        epoch, cursor = divmod(step - 1, per_epoch)
-        order = epoch_order(n, seed, epoch, True)
-        expected.setdefault(epoch, set()).update(
-            int(i) for i in order[cursor * batch:(cursor + 1) * batch])
-        seen.setdefault(epoch, []).extend(ids_by_step.get(step, []))
-    duplicates = sum(len(ids) - len(set(ids)) for ids in seen.values())
-    missing = sum(len(expected[e] - set(seen[e])) for e in expected)
-    return duplicates, missing

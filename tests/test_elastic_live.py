@@ -14,14 +14,13 @@ import pytest
 
 import nbtrain
 from nbtrain import JobState, Settings
+from nbtrain.accounting import account
 from nbtrain.engine.standalone import standalone_cluster
 from tests.conftest import wait_for
 from tests.recipes import (
     ElasticRegression,
     assert_params_equal,
-    committed_ids,
     elastic_train,
-    exactly_once_report,
     single_process_params,
 )
 
@@ -45,15 +44,6 @@ def _stopped_at(job: nbtrain.JobHandle) -> int:
     job.stop()
     assert job.wait(180) is JobState.CANCELLED, job.reason
     return int(job.reason.rsplit(" ", 1)[1])
-
-
-def _generation_sizes(out_dir: Path) -> dict[int, int]:
-    """Generation -> its world size, from the ranks' id logs."""
-    sizes: dict[int, int] = {}
-    for path in out_dir.glob("ids-g*-r*.jsonl"):
-        gen = int(path.name.split("-")[1][1:])
-        sizes[gen] = max(sizes.get(gen, 0), int(path.name.split("-r")[1].split(".")[0]) + 1)
-    return dict(sorted(sizes.items()))
 
 
 def test_user_resizes_2_1_2_with_an_uneven_batch_keep_samples_and_parameters(
@@ -80,13 +70,13 @@ def test_user_resizes_2_1_2_with_an_uneven_batch_keep_samples_and_parameters(
     _wait_resized(job, 2, 2)
     _train_on(job)
     final = _stopped_at(job)
-    assert list(_generation_sizes(tmp_path).values()) == [2, 1, 2]
     requested = _resizes(job, "requested")
     assert [(e["old"], e["new"]) for e in requested] == [(2, 1), (1, 2)]
     assert all(e["duration_s"] > 0 for e in _resizes(job, "done"))
     assert job.restarts == 0
-    duplicates, missing = exactly_once_report(committed_ids(tmp_path, final), final, n, batch)
-    assert (duplicates, missing) == (0, 0)
+    ledger = account(tmp_path, final, n=n, global_batch_size=batch)
+    assert (ledger.duplicates, ledger.missing) == (0, 0), ledger
+    assert list(ledger.sizes.values()) == [2, 1, 2] and ledger.epochs >= 2
     assert_params_equal(tmp_path, single_process_params(final, batch=batch, n=n))
     data = [e for e in job.events if e["kind"] == "data"]
     assert [e["world_size"] for e in data] == [2, 1, 2]
@@ -151,8 +141,8 @@ def test_lost_worker_shrinks_the_job_and_it_grows_back_with_dataloader_workers(
             assert "grow" in _resizes(job, "requested")[-1]["reason"]
             _train_on(job)
             final = _stopped_at(job)
-            assert list(_generation_sizes(out).values()) == [2, 1, 2, 1, 2]
             assert job.restarts == 1  # the lost worker; the resizes spent none
-            duplicates, missing = exactly_once_report(committed_ids(out, final), final, 256, 32)
-            assert (duplicates, missing) == (0, 0)
+            ledger = account(out, final, n=256, global_batch_size=32)
+            assert (ledger.duplicates, ledger.missing) == (0, 0), ledger
+            assert list(ledger.sizes.values()) == [2, 1, 2, 1, 2]
             assert_params_equal(out, single_process_params(final))
