@@ -321,6 +321,21 @@ class JobHandle:
             )
         return self.status
 
+    def wait_for_size(self, n: int, timeout: float | None = None) -> None:
+        """Block until the job trains at ``n`` ranks (its first step at that size), e.g.
+        after :meth:`resize`. Raises TimeoutError with what it waits for, or RuntimeError
+        when the job ends first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not (self.size == n and self.status is JobState.RUNNING):
+            if self.status.terminal:
+                raise RuntimeError(f"job {self.name} ended ({self.status.value}: "
+                                   f"{self.reason}) before it ran at {n} ranks")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"job {self.name} runs at {self.size} ranks, not {n}, after {timeout} s: "
+                    f"{self.resize_note or self.reason}")
+            time.sleep(0.05)
+
     def result(self, timeout: float | None = None) -> Any:
         """Wait, then raise :class:`JobFailedError` unless the job succeeded. Returns the
         training function's return value on rank 0 (a Recipe job returns this handle)."""

@@ -227,7 +227,8 @@ class EventLog:
 
     def _on_data(self, ev: dict[str, Any], when: float | None) -> Alert:
         """Where a generation's data starts: the global position, split over its ranks."""
-        parts = [f"step {ev.get('step', '?')}: {ev.get('world_size', '?')} ranks"]
+        ranks = ev.get("world_size", "?")
+        parts = [f"step {ev.get('step', '?')}: {ranks} rank{'' if ranks == 1 else 's'}"]
         if ev.get("global_batch_size") is not None:
             parts.append(f"global batch {ev['global_batch_size']}, continuing at sample "
                          f"{ev.get('cursor', '?')} of epoch {ev.get('epoch', '?')}")
