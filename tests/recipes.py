@@ -185,3 +185,19 @@ def elastic_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> None:
             ctx.report(loss=loss.item())
     finally:
         torch.save(model.module.state_dict(), Path(config["out_dir"]) / f"rank{ctx.rank}.pt")
+
+
+def per_rank_batch_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> None:
+    """A fixed per-rank batch (the global batch follows the world size) with the LR scaled
+    linearly; records the LR it trains with at each step."""
+    model = ctx.prepare(make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ctx.track(model=model, optimizer=opt)
+    ctx.scale_lr(opt, "linear")
+    for x, y in ctx.batches(regression_data(), batch_size=8):
+        time.sleep(config.get("step_sleep", 0.0))
+        loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ctx.report(loss=loss.item(), lr=opt.param_groups[0]["lr"], batch=float(len(x)))

@@ -21,6 +21,7 @@ from tests.recipes import (
     ElasticRegression,
     assert_params_equal,
     elastic_train,
+    per_rank_batch_train,
     single_process_params,
 )
 
@@ -102,6 +103,25 @@ def test_refusals_for_fixed_jobs_and_sizes_above_the_cluster(
     fixed.stop()
     big.stop()
     assert fixed.wait(120) is JobState.CANCELLED and big.wait(120) is JobState.CANCELLED
+
+
+def test_a_fixed_per_rank_batch_scales_the_lr_with_the_size(
+        free_cluster: nbtrain.Cluster) -> None:
+    job = free_cluster.submit(per_rank_batch_train, world_size=2, min_size=1, steps=10**6,
+                              config={"step_sleep": 0.02}, checkpoint=None, name="lr-rule")
+    wait_for(lambda: job.step >= 5, 120, "training at 2 ranks")
+    job.resize(1)
+    job.wait_for_size(1, timeout=120)
+    _train_on(job, 5)
+    job.stop()
+    assert job.wait(120) is JobState.CANCELLED
+    data = [e for e in job.events if e["kind"] == "data"]
+    assert [(e["world_size"], e["global_batch_size"], e["lr_factor"]) for e in data] == [
+        (2, 16, 1.0), (1, 8, 0.5)]
+    assert all(e["lr_rule"] == "linear" and e["lr_base_world_size"] == 2 for e in data)
+    rows = job.metrics
+    lr = rows[rows["rank"] == 0].groupby("generation")["lr"].agg(["min", "max"])
+    assert lr.loc[0].tolist() == [0.05, 0.05] and lr.loc[1].tolist() == [0.025, 0.025]
 
 
 @pytest.mark.slow
