@@ -66,10 +66,18 @@ class Settings:
     #: Mean time between failures of a job, for ``checkpoint="auto"`` (Young/Daly).
     mtbf_s: float = 6 * 3600.0
     #: Hang watchdog: a running job with no step progress for
-    #: ``max(hang_factor x median step time, hang_floor_s)`` seconds is declared hung. The floor
-    #: should exceed the longest pause between steps (a checkpoint snapshot, an evaluation).
+    #: ``max(hang_factor x median step time, hang_floor_s, 2 x its longest step)`` seconds is
+    #: looked at: the ranks' call stacks are read twice a few seconds apart, and only a rank
+    #: whose stack did not move (outside a collective) is declared hung; ranks that are busy
+    #: but slow are not. The floor should exceed the longest pause between steps (a
+    #: checkpoint snapshot, an evaluation).
     hang_factor: float = 20.0
     hang_floor_s: float = 3.0
+    #: Startup watchdog: the longest a rank may spend in its setup (a Recipe's ``setup``, a
+    #: training function's code before its loop) and again in its first step, and in
+    #: restoring a checkpoint. Longer than loading the data and the model on a busy machine.
+    setup_timeout_s: float = 600.0
+    restore_timeout_s: float = 600.0
     #: A host whose ranks fail this many times within ``host_failure_window_s`` is avoided
     #: (softly: used only when nothing else fits) for ``host_exclusion_s``.
     host_failure_limit: int = 2

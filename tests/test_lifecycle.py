@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -275,24 +276,88 @@ def test_stop_while_queued_and_while_failing() -> None:
     assert h.state("a") == "CANCELLED" and "a rank failed meanwhile" in h.reason("a")
 
 
+STUCK = 'File "nbtrain/runtime/faults.py", line 66, in fire\n  threading.Event().wait()'
+WAITING = 'File "torch/distributed/distributed_c10d.py", line 2800, in all_reduce'
+
+
 def test_hang_is_diagnosed_and_the_stuck_rank_restarted() -> None:
     h = Harness(workers=3)
     launch = run_to_running(h)
     h.steps("a", 0, 20)
     out = h.advance(2.0)
     assert h.of(Diagnose, out) == []
-    out = h.advance(1.5)  # 3.5 s silent > floor 3 s
+    out = h.advance(1.5)  # 3.5 s silent > floor 3 s: look at the stacks
     assert h.of(Diagnose, out) == [Diagnose("a", 0)]
-    out = h.feed(HangDiagnosed, "a", 0, (1,))
+    stacks = {0: WAITING, 1: STUCK}
+    assert not h.of(RestartWorkers, h.feed(HangDiagnosed, "a", 0, (1,), stacks))
+    out = h.advance(1.0)
+    assert h.of(Diagnose, out) == []  # looks again only after the confirmation interval
+    out = h.advance(1.5)
+    assert h.of(Diagnose, out) == [Diagnose("a", 0)]
+    out = h.feed(HangDiagnosed, "a", 0, (1,), stacks)  # rank 1's stack did not move
     [restart] = h.of(RestartWorkers, out)
     assert restart.addresses == (launch.addresses[1],)
     h.feed(WorkerLeft, launch.addresses[1])
     h.fail("a", 0, 0, peer=True)
     [fault] = h.m.status("a").faults
     assert fault["what"] == "hang" and fault["rank"] == 1
-    assert "rank 1 was stuck outside a collective" in fault["cause"]
-    assert "no step progress" in fault["error"]
+    assert "rank 1's call stack did not change in 2.5 s, outside a collective" in fault["cause"]
+    assert "threading.Event().wait()" in fault["cause"]
+    assert "floor 3 s" in fault["cause"] and "no step progress" in fault["error"]
     assert h.launches("a")[-1].generation == 1
+
+
+def test_a_slow_but_busy_job_is_not_declared_hung() -> None:
+    h = Harness(workers=2)
+    run_to_running(h)
+    h.steps("a", 0, 20)
+    h.advance(3.5)
+    h.feed(HangDiagnosed, "a", 0, (0, 1), {0: "forward: line 10", 1: "forward: line 12"})
+    h.advance(2.5)
+    # Moving stacks: slow, not stuck. Said once, and no restart.
+    out = h.feed(HangDiagnosed, "a", 0, (0, 1), {0: "backward: line 40", 1: "step: line 7"})
+    assert not h.of(RestartWorkers, out)
+    [slow] = h.events("a", "slow")
+    assert "slow, not hung" in slow["note"]
+    h.advance(1.0)
+    h.steps("a", 0, 21)  # it steps again: the look is over
+    assert h.m.status("a").state == "RUNNING" and not h.m.status("a").faults
+    assert h.m.job_ids() == ["a"] and h.launches("a")[-1].generation == 0
+
+
+def test_the_hang_limit_grows_with_the_longest_step_seen() -> None:
+    h = Harness(workers=2)
+    launch = run_to_running(h)
+    rows = [[s, 1e9 + h.t, 4.0 if s == 8 else 0.01, 0.0, 0.008, 0.0, 0.002] for s in range(6, 11)]
+    for rank in (0, 1):
+        h.feed(RankMessage, "a", {"kind": "steps", "rank": rank, "gen": 0, "rows": rows})
+    out = h.advance(7.0)  # 7 s > floor 3 s, but a 4 s step was seen: the limit is 8 s
+    assert h.of(Diagnose, out) == []
+    out = h.advance(1.5)
+    assert h.of(Diagnose, out) == [Diagnose("a", 0)]
+    assert len(launch.addresses) == 2
+
+
+def test_a_rank_stuck_in_setup_is_caught_by_its_own_bound() -> None:
+    h = Harness(workers=3)
+    policy = replace(POLICY, setup_timeout_s=30.0)
+    spec = JobSpec(job_id="a", name="job-a", world_size=2, steps=100)
+    h.feed(Submitted, JobSubmission(spec=spec, policy=policy))
+    [launch] = h.launches("a")
+    for rank in (0, 1):
+        h.feed(RankMessage, "a", {"kind": "phase", "phase": "setup", "rank": rank, "gen": 0})
+    h.feed(RankMessage, "a", {"kind": "rank_started", "rank": 0, "gen": 0, "start_step": 0})
+    assert h.of(Diagnose, h.advance(29.0)) == []
+    out = h.advance(2.0)  # rank 1 has been in setup for 31 s
+    assert h.of(Diagnose, out) == [Diagnose("a", 0)]
+    out = h.feed(HangDiagnosed, "a", 0, (), {})
+    [restart] = h.of(RestartWorkers, out)
+    assert restart.addresses == (launch.addresses[1],)
+    h.feed(WorkerLeft, launch.addresses[1])
+    h.fail("a", 0, 0, peer=True)
+    [fault] = h.m.status("a").faults
+    assert fault["what"] == "hang" and fault["rank"] == 1
+    assert "rank 1 spent 31.0 s in setup (bound 30 s, setup_timeout_s)" in fault["cause"]
 
 
 def test_ranks_that_never_exit_after_a_failure_are_force_ended() -> None:

@@ -56,3 +56,14 @@ def hung_ranks(keys: Mapping[int, Any], stacks: Mapping[str, Any]) -> list[int]:
         if not any(marker in text for marker in _WAITING_MARKERS):
             culprits.append(rank)
     return culprits if len(culprits) < len(keys) else []
+
+
+def rank_stacks(keys: Mapping[int, Any], stacks: Mapping[str, Any]) -> dict[int, str]:
+    """Each rank's call stack as one text (frames joined), from Dask's call stacks; ranks
+    whose task has no stack (not running) are left out."""
+    by_key: dict[str, str] = {}
+    for per_worker in stacks.values():
+        for key, frames in (per_worker or {}).items():
+            by_key[str(key)] = "\n".join(str(f) for f in frames)
+    return {rank: by_key[str(key)] for rank, key in keys.items() if str(key) in by_key}
+

@@ -36,10 +36,10 @@ __all__ = [
 #: Kinds the rank runtime emits (``steps`` carries step rows, see ``core.records``; ``device``
 #: a GPU's NVML readings, kept for straggler verdicts and not logged).
 RANK_KINDS = ("steps", "device", "rank_started", "checkpoint", "fault_injected", "rank_failed",
-              "rank_finished", "log", "data")
+              "rank_finished", "log", "data", "phase")
 #: Kinds the job machine emits.
 CONTROLLER_KINDS = ("state", "fault", "recovery", "preemption", "straggler", "mitigation",
-                    "nonfinite", "resize")
+                    "nonfinite", "resize", "slow")
 
 
 class StateEvent(TypedDict):

@@ -67,6 +67,10 @@ class Generation:
     released: bool = False  # peers freed (failed ranks' workers restarted, or NCCL aborted)
     forced: bool = False  # preemption grace ran out: ranks stopped without their checkpoint
     nonfinite: set[str] = field(default_factory=set)  # metrics already reported non-finite
+    #: rank -> (the startup phase it is in: "setup", "restore", "first step"; since when)
+    phases: dict[int, tuple[str, float]] = field(default_factory=dict)
+    #: the watchdog's look at a silent generation: call stacks, to tell stuck from slow
+    probe: dict[str, Any] | None = None
 
     @property
     def size(self) -> int:
@@ -151,6 +155,7 @@ class LiveJob:
         self.halt_reason = ""
         self.resize: PendingResize | None = None  # decided, waiting for the generation to end
         self.resizing: PendingResize | None = None  # launched, waiting for its first step
+        self.longest_step = 0.0  # the longest step seen (first steps of a generation aside)
         self.target = sub.spec.world_size  # the size asked for
         self.last_size: int | None = None  # ranks of the newest generation
         self.resize_note = ""

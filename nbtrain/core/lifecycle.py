@@ -562,6 +562,11 @@ class JobMachine:
                 assert gen is not None
                 self._on_steps(job, gen, int(msg["rank"]), msg["rows"])
             return
+        if kind == "phase":  # a rank's startup progress, for the startup watchdog
+            if current:
+                assert gen is not None
+                gen.phases[int(msg["rank"])] = (str(msg["phase"]), self.now)
+            return
         if kind == "device":  # GPU readings for straggler verdicts; too frequent for the log
             if current:
                 job.stragglers.device(int(msg["rank"]), dict(msg.get("readings") or {}))
@@ -579,10 +584,12 @@ class JobMachine:
             elif phase == "snapshot" and msg.get("rank") == 0:
                 job.ledger.checkpoint_blocked(
                     (float(msg.get("blocking_ms", 0)) + float(msg.get("wait_ms", 0))) / 1e3)
-        elif kind == "rank_started" and current and msg.get("rank") == 0:
+        elif kind == "rank_started" and current:
             assert gen is not None
-            for event in job.stragglers.restart(gen.size, int(msg["start_step"])):
-                self._publish(job, event)
+            gen.phases[int(msg["rank"])] = ("first step", self.now)
+            if msg.get("rank") == 0:
+                for event in job.stragglers.restart(gen.size, int(msg["start_step"])):
+                    self._publish(job, event)
         elif kind == "fault_injected" and current:
             assert gen is not None
             job.fired.add(str(msg["fault"]["id"]))
@@ -594,6 +601,8 @@ class JobMachine:
         if rank == 0 and rows:
             for row in rows:
                 job.ledger.step(int(row[0]), float(row[2]))
+                if gen.step_times:  # the first step of a generation warms up: not counted
+                    job.longest_step = max(job.longest_step, float(row[2]))
                 gen.step_times.append(float(row[2]))
             job.step = max(job.step, int(rows[-1][0]))
         try:
@@ -722,6 +731,8 @@ class JobMachine:
                 self._force_release(job, gen)
             elif gen.running and job.state is JobState.RUNNING and gen.hang is None:
                 self._watch_for_hang(job, gen)
+            elif not gen.running and not gen.failing and job.preempt is None:
+                self._watch_startup(job, gen)
         for slot, asked in list(self._restarting.items()):
             if self.now - asked > self.config.worker_return_s:
                 del self._restarting[slot]
@@ -736,24 +747,137 @@ class JobMachine:
             self._last_sched_tick = self.now
             self._sched(SchedTick(self.now))
 
-    def _watch_for_hang(self, job: LiveJob, gen: Generation) -> None:
+    # ================================================================== the hang watchdog
+    def _hang_limit(self, job: LiveJob, gen: Generation) -> tuple[float, str]:
+        """How long a running generation may go without a step row, and why: the largest of
+        ``hang_factor`` x the median step, the floor, and twice the longest step this job
+        has taken (a machine that stalled a step that long before can stall it again)."""
         policy = job.sub.policy
         median = gen.median_step()
-        limit = max(policy.hang_factor * median, policy.hang_floor_s)
+        parts = {f"{policy.hang_factor:g} x median step {median:.3f} s":
+                 policy.hang_factor * median,
+                 f"floor {policy.hang_floor_s:g} s": policy.hang_floor_s,
+                 f"2 x longest step {job.longest_step:.2f} s": 2 * job.longest_step}
+        limit = max(parts.values())
+        return limit, f"max({', '.join(parts)})"
+
+    def _watch_for_hang(self, job: LiveJob, gen: Generation) -> None:
+        """No step row for longer than the limit: look at the ranks' call stacks, twice,
+        ``confirm`` seconds apart. A rank whose stack did not move while nothing progressed is
+        stuck (a rank waiting in a collective waits for it); a rank whose stack moved is slow,
+        not hung, and is looked at again, up to ten times the limit."""
+        limit, why = self._hang_limit(job, gen)
         silent = self.now - gen.last_progress
+        probe = gen.probe
+        if probe is not None and probe["since"] != gen.last_progress:
+            gen.probe = probe = None  # it progressed: whatever was slow has passed
         if silent <= limit:
             return
-        gen.hang = {"silent_s": silent, "limit_s": limit, "median_s": median,
-                    "detected_wall": self.wall, "detected_mono": self.now}
-        self._out.append(Diagnose(job.id, gen.number))
+        confirm = min(max(2.0, limit / 2), 60.0)
+        if probe is None:
+            gen.probe = {"since": gen.last_progress, "asked": self.now, "first": None,
+                         "limit": limit, "why": why, "looks": 0}
+            self._out.append(Diagnose(job.id, gen.number))
+            return
+        if probe["first"] is None or probe.get("second_asked"):
+            if self.now - probe["asked"] > 30.0:  # no answer (a busy scheduler): ask again
+                probe["asked"] = self.now
+                self._out.append(Diagnose(job.id, gen.number))
+            return
+        if self.now - probe["first_at"] >= confirm:
+            probe["second_asked"] = True
+            probe["asked"] = self.now
+            self._out.append(Diagnose(job.id, gen.number))
 
     def _on_hang_diagnosed(self, ev: HangDiagnosed) -> None:
         job = self._jobs.get(ev.job_id)
         gen = job.gen if job is not None else None
-        if job is None or gen is None or gen.number != ev.generation or gen.hang is None:
+        if job is None or gen is None or gen.number != ev.generation:
             return
-        gen.hang["culprits"] = list(ev.culprits)
-        targets = [gen.addresses[r] for r in ev.culprits] or list(gen.addresses)
+        if gen.hang is not None and gen.hang.get("phase") and "culprits" not in gen.hang:
+            self._declare_hung(job, gen, gen.hang, ev.culprits)  # a startup bound ran out
+            return
+        probe = gen.probe
+        if probe is None or gen.hang is not None:
+            return
+        stacks = dict(ev.stacks)
+        if probe["first"] is None:
+            probe.update(first=stacks, first_at=self.now)
+            return
+        silent = self.now - gen.last_progress
+        unmoved = sorted(r for r in range(gen.size)
+                         if r in stacks and stacks.get(r) == probe["first"].get(r))
+        stuck = [r for r in ev.culprits if r in unmoved]
+        waited = self.now - probe["first_at"]
+        give_up = silent > 10 * probe["limit"]
+        if not stacks or stuck or len(unmoved) == gen.size or give_up:
+            if stuck:
+                evidence = (f"rank {stuck[0]}'s call stack did not change in {waited:.1f} s, "
+                            f"outside a collective, at {_top_frame(stacks[stuck[0]])}")
+            elif not stacks:
+                evidence = "the ranks' call stacks could not be read"
+            elif give_up:
+                evidence = f"still no step after 10 x the limit ({silent:.1f} s)"
+            else:
+                evidence = (f"no rank's call stack changed in {waited:.1f} s (every rank "
+                            "waits in a collective)")
+            hang = {"silent_s": silent, "limit_s": probe["limit"], "why": probe["why"],
+                    "evidence": evidence, "detected_wall": self.wall,
+                    "detected_mono": self.now, "median_s": gen.median_step()}
+            self._declare_hung(job, gen, hang, tuple(stuck))
+            return
+        # The stacks moved: slow, not stuck. Say so once, and look again later.
+        if not probe.get("said"):
+            probe["said"] = True
+            self._publish(job, {"kind": "slow", "time": self.wall, "generation": gen.number,
+                                "silent_s": round(silent, 3), "limit_s": probe["limit"],
+                                "note": f"no step for {silent:.1f} s (limit "
+                                        f"{probe['limit']:.1f} s), but the ranks are moving: "
+                                        "slow, not hung"})
+        probe.update(first=stacks, first_at=self.now, second_asked=False, looks=probe["looks"] + 1)
+
+    def _watch_startup(self, job: LiveJob, gen: Generation) -> None:
+        """A generation that has not stepped yet: each rank gets ``rendezvous_timeout_s``
+        (+30 s to be dispatched) to reach setup, ``setup_timeout_s`` for its setup (and the
+        code before its loop), ``restore_timeout_s`` for the restore, and ``setup_timeout_s``
+        again for its first step (compilation, warm-up)."""
+        if gen.hang is not None:
+            return
+        policy = job.sub.policy
+        bounds = {"rendezvous": policy.rendezvous_timeout_s + 30.0,
+                  "setup": policy.setup_timeout_s, "restore": policy.restore_timeout_s,
+                  "first step": policy.setup_timeout_s}
+        late: list[tuple[int, str, float]] = []
+        for rank in gen.unfinished():
+            phase, since = gen.phases.get(rank, ("rendezvous", gen.started))
+            if self.now - since > bounds[phase]:
+                late.append((rank, phase, self.now - since))
+        if not late:
+            return
+        # Ranks further on wait for the ones behind (in a collective): those are the culprits.
+        order = list(bounds)
+        first = min(order.index(phase) for _, phase, _ in late)
+        late = [x for x in late if order.index(x[1]) == first]
+        rank, phase, spent = late[0]
+        setting = {"rendezvous": "rendezvous_timeout_s", "restore": "restore_timeout_s"}.get(
+            phase, "setup_timeout_s")
+        gen.hang = {"silent_s": spent, "limit_s": bounds[phase], "phase": phase,
+                    "why": f"{setting} {bounds[phase]:g} s",
+                    "evidence": f"rank {rank} spent {spent:.1f} s in {phase} (bound "
+                                f"{bounds[phase]:g} s, {setting})",
+                    "culprit_ranks": [r for r, _, _ in late], "median_s": 0.0,
+                    "detected_wall": self.wall, "detected_mono": self.now}
+        self._out.append(Diagnose(job.id, gen.number))  # for the stacks; culprits are known
+
+    def _declare_hung(self, job: LiveJob, gen: Generation, hang: dict[str, Any],
+                      culprits: tuple[int, ...]) -> None:
+        """Restart the stuck ranks' workers (all of the generation's when none stands out);
+        the generation then ends as failed, with ``hang`` as its cause."""
+        stuck = list(hang.get("culprit_ranks") or culprits)
+        hang["culprits"] = stuck
+        gen.hang = hang
+        gen.probe = None
+        targets = [gen.addresses[r] for r in stuck] or list(gen.addresses)
         self._restart_workers(targets, f"job {job.name} hung")
 
     def _force_end(self, job: LiveJob, gen: Generation) -> None:
@@ -934,13 +1058,15 @@ class JobMachine:
             rank = culprits[0] if culprits else next(
                 (r for r, f in gen.failures.items() if not f.peer), None)
             what = "hang"
-            error = (f"no step progress for {hang['silent_s']:.1f} s "
-                     f"(limit {hang['limit_s']:.1f} s)")
-            who = (f"rank {rank} was stuck outside a collective" if culprits
-                   else "no rank could be told apart: every rank's worker was restarted")
-            cause = (f"{error} = max({job.sub.policy.hang_factor:g} x median step "
-                     f"{hang['median_s']:.3f} s, floor {job.sub.policy.hang_floor_s:g} s); "
-                     f"{who}")
+            if hang.get("phase"):
+                error = (f"rank {rank} made no progress in {hang['phase']} for "
+                         f"{hang['silent_s']:.1f} s (bound {hang['limit_s']:.1f} s)")
+            else:
+                error = (f"no step progress for {hang['silent_s']:.1f} s "
+                         f"(limit {hang['limit_s']:.1f} s)")
+            who = ("" if culprits
+                   else "; no rank could be told apart: every rank's worker was restarted")
+            cause = f"{error} = {hang['why']}; {hang['evidence']}{who}"
             step = job.step
             detected_wall = float(hang["detected_wall"])
             detected_mono = float(hang["detected_mono"])
@@ -1142,3 +1268,21 @@ class JobMachine:
     def _name(self, job_id: str | None) -> str:
         job = self._jobs.get(job_id or "")
         return job.name if job is not None else str(job_id)
+
+
+def _top_frame(stack: str) -> str:
+    """The innermost frame of a call stack text that is not the Python standard library's
+    (``threading.Event().wait()`` in faults.py, not ``waiter.acquire()`` in threading.py),
+    for a one-line cause."""
+    frames = [f for f in stack.split('File "') if f.strip()]
+    for frame in reversed(frames):
+        path = frame.split('"', 1)[0]
+        if "/lib/python" in path and "-packages/" not in path:
+            continue
+        where, _, code = frame.partition("\n")
+        short = path.rsplit("/", 2)
+        place = where.replace(path, "/".join(short[-2:])).replace('"', "").strip(" ,")
+        text = f"{place}: {code.strip()}" if code.strip() else place
+        return text[:200]
+    lines = [line.strip() for line in stack.splitlines() if line.strip()]
+    return lines[-1][:200] if lines else "(no frames)"

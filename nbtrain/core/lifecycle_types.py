@@ -53,6 +53,9 @@ class JobPolicy:
     hang_floor_s: float = 3.0
     peer_release_s: float = 0.3
     failure_grace_s: float = 10.0
+    setup_timeout_s: float = 600.0
+    restore_timeout_s: float = 600.0
+    rendezvous_timeout_s: float = 60.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,6 +169,8 @@ class HangDiagnosed:
     job_id: str
     generation: int
     culprits: tuple[int, ...]
+    #: Each rank's call stack (frames joined), to tell a stuck rank from a slow one.
+    stacks: Mapping[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -266,6 +266,9 @@ class Cluster:
         sub = JobSubmission(
             spec=spec, owner=_whoami(), mitigation=mitigation, faults=tuple(faults or ()),
             policy=JobPolicy(hang_factor=s.hang_factor, hang_floor_s=s.hang_floor_s,
+                             setup_timeout_s=s.setup_timeout_s,
+                             restore_timeout_s=s.restore_timeout_s,
+                             rendezvous_timeout_s=s.rendezvous_timeout_s,
                              peer_release_s=s.peer_release_s,
                              failure_grace_s=s.failure_grace_s),
             resume_step=resume_step)

@@ -34,7 +34,7 @@ from distributed import Client, Future, SchedulerPlugin
 
 from nbtrain.config import Settings
 from nbtrain.core.checkpoint_policy import parse_checkpoint_setting
-from nbtrain.core.health import hung_ranks
+from nbtrain.core.health import hung_ranks, rank_stacks
 from nbtrain.core.job import JobSpec
 from nbtrain.core.lifecycle import JobMachine
 from nbtrain.core.lifecycle_types import (
@@ -442,7 +442,7 @@ class ClusterController(SchedulerPlugin):
             stacks = {}
         now, wall = self.now()
         self.feed(HangDiagnosed(now, wall, job_id, generation,
-                                tuple(hung_ranks(keys, stacks))))
+                                tuple(hung_ranks(keys, stacks)), rank_stacks(keys, stacks)))
 
     async def _deliver(self, c: Deliver) -> None:
         from nbtrain.runtime.faults import deliver

@@ -120,18 +120,35 @@ async def submit(ctl: ClusterController, *, job: Mapping[str, Any], recipe: byte
 
 async def request(ctl: ClusterController, *, job_id: str, what: str, arg: Any = None,
                   token: str = "") -> dict[str, Any]:
-    if what not in REQUESTS:
-        raise ValueError(f"unknown request {what!r}; one of {', '.join(REQUESTS)}")
     status = _known(ctl, job_id)
-    assets = ctl.assets[job_id]
+    if what in REQUESTS:
+        check_owner(ctl, job_id, token, what, status)
+    return {"status": apply_request(ctl, job_id, what, arg)}
+
+
+def check_owner(ctl: ClusterController, job_id: str, token: str, what: str,
+                status: Mapping[str, Any] | None = None) -> None:
+    """PermissionError unless ``token`` is the job's or the operator's."""
     from nbtrain.engine.controller import token_hash
 
+    status = status or _known(ctl, job_id)
+    assets = ctl.assets[job_id]
     if not token or (token_hash(token) != assets.token_hash and not _is_operator(ctl, token)):
         owner = status["owner"] or "another client"
         raise PermissionError(
             f"job {status['name']} ({job_id}) belongs to {owner}: only the handle that "
             f"submitted it, a client holding its token, or the cluster's operator may "
             f"{what} it")
+
+
+def apply_request(ctl: ClusterController, job_id: str, what: str, arg: Any = None
+                  ) -> dict[str, Any]:
+    """A user's request on a job whose ownership was checked (by token, or by a view's
+    ticket): validated, fed to the job machine; the job's status after it. Raises
+    ValueError/TypeError with the fix for a request the job cannot take."""
+    if what not in REQUESTS:
+        raise ValueError(f"unknown request {what!r}; one of {', '.join(REQUESTS)}")
+    status = _known(ctl, job_id)
     if what == "inject":
         arg = Fault.from_dict(dict(arg))
         if not 0 <= arg.rank < int(status["world_size"]):
@@ -151,7 +168,7 @@ async def request(ctl: ClusterController, *, job_id: str, what: str, arg: Any = 
     rejected = [c for c in commands if isinstance(c, Rejected) and c.job_id == job_id]
     if rejected:
         raise ValueError(rejected[0].reason)
-    return {"status": ctl.machine.status(job_id).to_dict()}
+    return ctl.machine.status(job_id).to_dict()
 
 
 async def follow(ctl: ClusterController, *, cursors: Mapping[str, list[int]],

@@ -68,6 +68,7 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
         t0 = time.perf_counter()
         client = get_client()
         store = _init_process_group(launch, host, device, settings, client)
+        emitter.emit("phase", phase="setup")  # for the controller's startup watchdog
         control = ControlChannel(launch.job_id, launch.rank, launch.generation, client,
                                  settings.control_poll_s, device, initial=launch.control)
         work = cloudpickle.loads(launch.recipe)
@@ -162,6 +163,7 @@ class _Driver:
         ctx = self.ctx
         step, skipped = 0, list[tuple[int, str]]()
         if self.ckpt is not None:
+            self.emitter.emit("phase", phase="restore")
             self.ckpt.bind(ctx._state, ctx._loader)
             step, skipped = self.ckpt.restore()
         self.stepper.start(step)

@@ -117,7 +117,7 @@ class JobDashboard(widgets.VBox):
 
         self.header = widgets.HTML()
         self.phase = widgets.ToggleButtons(
-            options=[(label, key) for key, label in PHASES.items()], value="step_s",
+            options=[(label, key) for key, label in PHASES.items()], value="step",
             description="phase", style={"button_width": "80px"})
         self.phase.observe(lambda change: self.step_plot.set_phase(change["new"]), "value")
         self.checkpoint_panel = widgets.HTML()

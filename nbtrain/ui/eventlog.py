@@ -78,6 +78,8 @@ class EventLog:
     failures: int = 0
     resizes: int = 0
     resized_generations: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    #: generation -> (kind, text): how it ended, when a fault or a preemption ended it
+    ended_by: dict[int, tuple[str, str]] = field(default_factory=dict)
     goodput: float | None = None
     goodput_parts: dict[str, float] = field(default_factory=dict)
     events_seen: int = 0
@@ -173,9 +175,26 @@ class EventLog:
         host = f" on {ev['host']}" if ev.get("host") else ""
         detect = (f", detected in {float(ev['detect_s']):.1f} s"
                   if ev.get("detect_s") is not None else "")
+        cause = f": {ev['cause']}" if ev.get("cause") else ""
+        gen = _int_or_none(ev.get("generation"))
+        if gen is not None:
+            self.ended_by[gen] = ("restart", f"restart after {ev.get('what', 'a fault')} on "
+                                             f"rank {ev.get('rank', '?')}{cause}")
         return Alert(when, "error", "fault",
                      f"fault: {ev.get('what', '?')} rank {ev.get('rank', '?')}{host} at step "
-                     f"{ev.get('step', '?')}{detect}")
+                     f"{ev.get('step', '?')}{detect}{cause}")
+
+    def _on_preemption(self, ev: dict[str, Any], when: float | None) -> Alert:
+        gen = _int_or_none(ev.get("generation"))
+        why = str(ev.get("reason") or ev.get("cause") or "preempted")
+        if gen is not None:
+            self.ended_by[gen] = ("resume", f"resumed after a preemption ({why})")
+        forced = " (forced: grace ran out)" if ev.get("forced") else ""
+        return Alert(when, "warn", "preemption",
+                     f"preempted at step {ev.get('step', '?')}: {why}{forced}")
+
+    def _on_slow(self, ev: dict[str, Any], when: float | None) -> Alert:
+        return Alert(when, "warn", "slow", str(ev.get("note") or "slow steps"))
 
     def _on_tracker(self, ev: dict[str, Any], when: float | None) -> Alert:
         return Alert(when, "warn", "tracker", f"tracker: {ev.get('error', '?')}")
@@ -238,12 +257,12 @@ class EventLog:
         return Alert(when, "info", "data", "; ".join(parts))
 
     def describe_generation(self, gen: int) -> tuple[str, str]:
-        """What started generation ``gen`` (for the plots' marks): ("resize", "2→1 ranks")
-        or ("restart", "restart")."""
+        """What started generation ``gen`` (for the plots' marks): ("resize", "2→1 ranks"),
+        ("restart", "restart after ...: <cause>") or ("resume", "resumed after ...")."""
         sizes = self.resized_generations.get(gen)
         if sizes is not None:
             return "resize", f"{sizes[0]}\u2192{sizes[1]} ranks"
-        return "restart", f"gen {gen}"
+        return self.ended_by.get(gen - 1, ("restart", f"generation {gen}"))
 
     def _on_goodput(self, ev: dict[str, Any], when: float | None) -> None:
         fraction = ev.get("fraction")

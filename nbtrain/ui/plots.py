@@ -1,29 +1,35 @@
 """The Bokeh plots of a job: per-rank step time, phase split, loss and throughput.
 
-Each plot owns its ``ColumnDataSource`` and takes step rows in batches (``add(rows)``): one
-``stream`` (or one data replacement) per plot per call, with ``rollover`` so the plot's memory
-and the browser's work stay bounded however long the job runs. The live dashboard feeds them
-a few times a second; the HTML report feeds them the whole history once. Same code, same
-pictures.
+Each plot owns its ``ColumnDataSource`` and takes step rows in batches (``add(rows)``), so
+the plot's memory and the browser's work stay bounded however long the job runs:
+
+- step times show a recent window per rank (``stream`` with ``rollover``);
+- loss and throughput cover the whole run: every point until ``max_points``, then every
+  second one, then every fourth... (:class:`WholeRun`), so the start of a long run stays;
+- times are in milliseconds.
+
+The live views feed them a few times a second; the HTML report feeds them the whole history
+once. Same code, same pictures.
 
 A step row is the JobHandle's tuple ``nbtrain.core.records.JOB_ROW_COLUMNS`` followed by the
 metrics dict.
 
 Generations: a line never joins the last step of one generation to the first of the next (a
 restart resumes from its checkpoint, a resize changes the ranks): a NaN point breaks it there,
-and :class:`GenerationMarks` draws a dashed line at each new generation with what it was.
+and :class:`GenerationMarks` draws a dashed line at each new generation, with what started it
+on hover.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 from bokeh.models import AdaptiveTicker, ColumnDataSource, HoverTool, LinearColorMapper
-from bokeh.models.annotations import ColorBar, Label, Span
+from bokeh.models.annotations import ColorBar
 from bokeh.palettes import Category10, Viridis256
 from bokeh.plotting import figure
 from bokeh.transform import transform
@@ -44,13 +50,14 @@ from nbtrain.core.records import (
 Row = Sequence[Any]
 
 
-#: Phase columns and their labels in the phase selector. "total" is the whole step.
-PHASES: dict[str, str] = {"step_s": "total", "data_s": "data", "compute_s": "compute",
-                          "comm_s": "comm", "opt_s": "opt"}
-_PHASE_INDEX = {"step_s": STEP_S, "data_s": DATA_S, "compute_s": COMPUTE_S, "comm_s": COMM_S,
-                "opt_s": OPT_S}
+#: Phases and their labels in the phase selector; each is a column of milliseconds
+#: ``<phase>_ms`` in the step-time plot. "step" is the whole step.
+PHASES: dict[str, str] = {"step": "total", "data": "data", "compute": "compute",
+                          "comm": "comm", "opt": "opt"}
+_PHASE_INDEX = {"step": STEP_S, "data": DATA_S, "compute": COMPUTE_S, "comm": COMM_S,
+                "opt": OPT_S}
 #: Stacked parts of the phase-split bars (what is not data/compute/comm/opt is "other").
-SPLIT_PARTS = ("data_s", "compute_s", "comm_s", "opt_s", "other_s")
+SPLIT_PARTS = ("data_ms", "compute_ms", "comm_ms", "opt_ms", "other_ms")
 SPLIT_COLOURS = ("#8c6bb1", "#1f77b4", "#ff7f0e", "#2ca02c", "#bbbbbb")
 
 _TOOLS = "pan,box_zoom,wheel_zoom,reset,save"
@@ -58,7 +65,7 @@ _TOOLS = "pan,box_zoom,wheel_zoom,reset,save"
 
 def _figure(title: str, width: int, height: int, **kwargs: Any) -> Any:
     fig: Any = figure(title=title, width=width, height=height, tools=_TOOLS,
-                 toolbar_location="above", **kwargs)
+                      toolbar_location="above", **kwargs)
     fig.toolbar.autohide = True
     fig.title.text_font_size = "11pt"
     return fig
@@ -90,13 +97,17 @@ def _break_lines(cols: dict[str, list[Any]], last_gen: dict[int, int], key: int,
 
 
 def rank_colour(rank: int) -> str:
-    return str(Category10[10][rank % 10])
+    palette = Category10[10]
+    return palette[rank % len(palette)]
+
+
+def _ms(row: Row, phase: str) -> float:
+    return 1e3 * float(row[_PHASE_INDEX[phase]])
 
 
 class StepTimePlot:
-    """Per-rank step time: one line per rank for few ranks, a rank x step heatmap for many.
-
-    ``phase`` selects which column is drawn ("step_s" for the whole step, or one phase).
+    """Per-rank step time in ms: one line per rank for few ranks, a rank x step heatmap for
+    many. ``phase`` selects which column is drawn ("step" for the whole step, or one phase).
     ``window_steps`` recent steps per rank are kept (heatmap: at most ``max_points`` cells).
     """
 
@@ -104,39 +115,40 @@ class StepTimePlot:
                  max_points: int = 20_000, width: int = 520, height: int = 260) -> None:
         self.world_size = world_size
         self.mode = "lines" if world_size <= lines_max_ranks else "heatmap"
-        self.phase = "step_s"
+        self.phase = "step"
         self.window_steps = window_steps
         self.max_points = max_points
         self.points_streamed = 0
         self.figure = _figure("step time per rank (total)", width, height,
-                              x_axis_label="step", y_axis_label="seconds")
+                              x_axis_label="step", y_axis_label="ms")
         self.sources: dict[int, ColumnDataSource] = {}
         self._renderers: dict[int, Any] = {}
         self._slow: set[int] = set()
         self._last_gen: dict[int, int] = {}
+        tips = [("rank", "@rank"), ("step", "@step"), ("generation", "@generation"),
+                *((label, f"@{{{p}_ms}}{{0.00}} ms") for p, label in PHASES.items())]
         if self.mode == "heatmap":
             self.figure.yaxis.axis_label = "rank"
             self.mapper = LinearColorMapper(palette=Viridis256, low=0.0, high=1.0)
             self.heat = ColumnDataSource(self._empty(), name="steptime-heatmap")
             self._heat_renderer = self.figure.rect(
                 x="step", y="rank", width=1, height=1, source=self.heat, line_color=None,
-                fill_color=transform("step_s", self.mapper))
+                fill_color=transform("step_ms", self.mapper))
             self.figure.add_layout(ColorBar(color_mapper=self.mapper, width=8,
-                                            title="s"), "right")
-            self.figure.add_tools(HoverTool(tooltips=[("rank", "@rank"), ("step", "@step"),
-                                                      ("seconds", "@step_s{0.0000}")]))
+                                            title="ms"), "right")
+            self.figure.add_tools(HoverTool(tooltips=tips))
             self._recent: deque[float] = deque(maxlen=max(1000, 50 * world_size))
         else:
-            self.figure.add_tools(HoverTool(tooltips=[("rank", "$name"), ("step", "@step"),
-                                                      ("seconds", "$y{0.0000}")]))
             for rank in range(world_size):
                 self._line_for(rank)
+            self.figure.add_tools(HoverTool(tooltips=tips,
+                                            renderers=list(self._renderers.values())))
             _legend_below(self.figure)
             self.figure.legend.click_policy = "hide"
 
     @staticmethod
     def _empty() -> dict[str, Any]:
-        return {"step": [], "rank": [], "generation": [], **{p: [] for p in PHASES}}
+        return {"step": [], "rank": [], "generation": [], **{f"{p}_ms": [] for p in PHASES}}
 
     def _line_for(self, rank: int) -> ColumnDataSource:
         src = self.sources.get(rank)
@@ -144,8 +156,11 @@ class StepTimePlot:
             src = ColumnDataSource(self._empty(), name=f"steptime-r{rank}")
             self.sources[rank] = src
             self._renderers[rank] = self.figure.line(
-                x="step", y=self.phase, source=src, color=rank_colour(rank), line_width=1.5,
-                legend_label=f"rank {rank}", name=f"rank {rank}")
+                x="step", y=f"{self.phase}_ms", source=src, color=rank_colour(rank),
+                line_width=1.5, legend_label=f"rank {rank}", name=f"rank {rank}")
+            hover = [t for t in self.figure.tools if isinstance(t, HoverTool)]
+            if hover and isinstance(hover[0].renderers, list):
+                hover[0].renderers = [*hover[0].renderers, self._renderers[rank]]
         return src
 
     def add(self, rows: Iterable[Row]) -> int:
@@ -161,8 +176,8 @@ class StepTimePlot:
             cols["step"].append(int(row[STEP]))
             cols["rank"].append(rank)
             cols["generation"].append(int(row[GEN]))
-            for name, index in _PHASE_INDEX.items():
-                cols[name].append(float(row[index]))
+            for phase in PHASES:
+                cols[f"{phase}_ms"].append(_ms(row, phase))
         added = sum(len(c["step"]) for c in by_rank.values())
         if not added:
             return 0
@@ -173,7 +188,7 @@ class StepTimePlot:
                     merged[key].extend(values)
             self.heat.stream(merged, rollover=min(self.max_points,
                                                   self.window_steps * self.world_size))
-            self._recent.extend(merged[self.phase])
+            self._recent.extend(merged[f"{self.phase}_ms"])
             self._rescale()
         else:
             for rank, cols in sorted(by_rank.items()):
@@ -188,7 +203,7 @@ class StepTimePlot:
             return
         low, high = (float(v) for v in np.percentile(np.fromiter(self._recent, float), [2, 98]))
         if high <= low:
-            high = low + 1e-6
+            high = low + 1e-3
         old_low, old_high = float(self.mapper.low or 0.0), float(self.mapper.high or 0.0)
         span = max(old_high - old_low, 1e-9)
         if abs(low - old_low) > 0.1 * span or abs(high - old_high) > 0.1 * span:
@@ -201,16 +216,17 @@ class StepTimePlot:
             return
         self.phase = phase
         self.figure.title.text = f"step time per rank ({PHASES[phase]})"
+        column = f"{phase}_ms"
         if self.mode == "heatmap":
-            self._heat_renderer.glyph.fill_color = transform(phase, self.mapper)
+            self._heat_renderer.glyph.fill_color = transform(column, self.mapper)
             self._recent.clear()
-            values: Any = self.heat.data[phase]
+            values: Any = self.heat.data[column]
             self._recent.extend(float(v) for v in values)
             self.mapper.update(low=0.0, high=1.0)
             self._rescale()
         else:
             for renderer in self._renderers.values():
-                renderer.glyph.y = phase
+                renderer.glyph.y = column
 
     def mark_slow(self, ranks: set[int]) -> None:
         """Draw the lines of suspected/confirmed stragglers thicker (line mode)."""
@@ -231,8 +247,8 @@ class StepTimePlot:
 
 
 class PhaseSplitPlot:
-    """Mean time per phase for each rank over its last ``window`` steps, as stacked bars:
-    a slow rank's bar is taller, and its colours say where the time goes."""
+    """Mean time per phase (ms) for each rank over its last ``window`` steps, as stacked
+    bars: a slow rank's bar is taller, and its colours say where the time goes."""
 
     def __init__(self, *, window: int = 50, width: int = 300, height: int = 260) -> None:
         self.window = window
@@ -240,10 +256,12 @@ class PhaseSplitPlot:
         self.source = ColumnDataSource({"rank": [], **{p: [] for p in SPLIT_PARTS}},
                                        name="phase-split")
         self.figure = _figure(f"phase split (mean of last {window} steps)", width, height,
-                              x_axis_label="rank", y_axis_label="seconds")
-        self.figure.vbar_stack(list(SPLIT_PARTS), x="rank", width=0.8, source=self.source,
-                               color=list(SPLIT_COLOURS),
-                               legend_label=[p[:-2] for p in SPLIT_PARTS])
+                              x_axis_label="rank", y_axis_label="ms")
+        bars = self.figure.vbar_stack(list(SPLIT_PARTS), x="rank", width=0.8,
+                                      source=self.source, color=list(SPLIT_COLOURS),
+                                      legend_label=[p[:-3] for p in SPLIT_PARTS])
+        self.figure.add_tools(HoverTool(renderers=bars, tooltips=[
+            ("rank", "@rank"), *((p[:-3], f"@{{{p}}}{{0.00}} ms") for p in SPLIT_PARTS)]))
         _legend_below(self.figure)
         self.figure.xaxis.ticker = AdaptiveTicker(min_interval=1, desired_num_ticks=8)
         self.figure.xgrid.grid_line_color = None
@@ -255,23 +273,63 @@ class PhaseSplitPlot:
             buf = self._recent.get(rank)
             if buf is None:
                 buf = self._recent[rank] = deque(maxlen=self.window)
-            buf.append((float(row[STEP_S]), float(row[DATA_S]), float(row[COMPUTE_S]),
-                        float(row[COMM_S]), float(row[OPT_S])))
+            buf.append(tuple(1e3 * float(row[i]) for i in (STEP_S, DATA_S, COMPUTE_S, COMM_S,
+                                                            OPT_S)))
             changed = True
         if changed:
             ranks = sorted(self._recent)
             means = np.array([np.mean(np.array(self._recent[r]), axis=0) for r in ranks])
             other = np.maximum(means[:, 0] - means[:, 1:].sum(axis=1), 0.0)
             self.source.data = {
-                "rank": ranks, "data_s": means[:, 1].tolist(), "compute_s": means[:, 2].tolist(),
-                "comm_s": means[:, 3].tolist(), "opt_s": means[:, 4].tolist(),
-                "other_s": other.tolist(),
+                "rank": ranks, "data_ms": means[:, 1].tolist(),
+                "compute_ms": means[:, 2].tolist(), "comm_ms": means[:, 3].tolist(),
+                "opt_ms": means[:, 4].tolist(), "other_ms": other.tolist(),
             }
         return changed
 
 
+class WholeRun:
+    """A line's points over the whole run in bounded memory: every point until
+    ``max_points``, then every second one kept (and only every second new one taken), then
+    every fourth... NaN points (generation breaks) are always kept."""
+
+    def __init__(self, source: ColumnDataSource, y: str, max_points: int) -> None:
+        self.source = source
+        self.y = y
+        self.max_points = max(8, max_points)
+        self.stride = 1
+        self._seen = 0
+        self.data: dict[str, list[Any]] = {str(k): [] for k in source.data}
+
+    def add(self, cols: dict[str, list[Any]]) -> None:
+        n = len(cols[self.y])
+        if not n:
+            return
+        keep = []
+        for i in range(n):
+            nan = isinstance(cols[self.y][i], float) and math.isnan(cols[self.y][i])
+            if nan or self._seen % self.stride == 0:
+                keep.append(i)
+            if not nan:
+                self._seen += 1
+        new = {k: [v[i] for i in keep] for k, v in cols.items()}
+        for k, v in new.items():
+            self.data[k].extend(v)
+        if len(self.data[self.y]) <= self.max_points:
+            self.source.stream(dict(new))
+            return
+        while len(self.data[self.y]) > self.max_points // 2 and self.stride < 1 << 30:
+            self.stride *= 2
+            ys = self.data[self.y]
+            kept = [i for i, v in enumerate(ys)
+                    if (isinstance(v, float) and math.isnan(v)) or i % 2 == 0]
+            self.data = {k: [v[i] for i in kept] for k, v in self.data.items()}
+        self.source.data = {k: list(v) for k, v in self.data.items()}
+
+
 class MetricPlot:
-    """One scalar from rank 0's metrics (e.g. the loss) against the step."""
+    """One scalar from rank 0's metrics (e.g. the loss) against the step, over the whole
+    run (:class:`WholeRun`, ``window`` points at most)."""
 
     def __init__(self, key: str, *, window: int = 2000, width: int = 420,
                  height: int = 220) -> None:
@@ -280,10 +338,12 @@ class MetricPlot:
         self._last_gen: dict[int, int] = {}
         self.source = ColumnDataSource({"step": [], "value": [], "generation": []},
                                        name=f"metric-{key}")
+        self.run = WholeRun(self.source, "value", window)
         self.figure = _figure(key, width, height, x_axis_label="step")
-        self.figure.line(x="step", y="value", source=self.source, color="#d62728",
-                         line_width=1.5)
-        self.figure.add_tools(HoverTool(tooltips=[("step", "@step"), (key, "@value{0.0000}")]))
+        line = self.figure.line(x="step", y="value", source=self.source, color="#d62728",
+                                line_width=1.5)
+        self.figure.add_tools(HoverTool(renderers=[line], tooltips=[
+            ("step", "@step"), ("generation", "@generation"), (key, "@value{0.0000}")]))
 
     def add(self, rows: Iterable[Row]) -> int:
         cols: dict[str, Any] = {"step": [], "value": [], "generation": []}
@@ -297,39 +357,43 @@ class MetricPlot:
             cols["step"].append(int(row[STEP]))
             cols["value"].append(float(value))
             cols["generation"].append(int(row[GEN]))
-        if cols["step"]:
-            self.source.stream(cols, rollover=self.window)
+        self.run.add(cols)
         return len(cols["step"])
 
 
 class ThroughputPlot:
     """Rank 0's steps per second over a sliding window of ``span`` steps (rank 0 reports
-    every step, and all ranks of a gang step together)."""
+    every step, and all ranks of a gang step together), over the whole run."""
 
     def __init__(self, *, span: int = 20, window: int = 2000, width: int = 420,
                  height: int = 220) -> None:
         self.window = window
         self._times: deque[float] = deque(maxlen=span)
         self._gen: int | None = None
-        self.source = ColumnDataSource({"step": [], "steps_per_s": []}, name="throughput")
+        self.source = ColumnDataSource({"step": [], "steps_per_s": [], "generation": []},
+                                       name="throughput")
+        self.run = WholeRun(self.source, "steps_per_s", window)
         self.figure = _figure("throughput", width, height, x_axis_label="step",
                               y_axis_label="steps/s")
-        self.figure.line(x="step", y="steps_per_s", source=self.source, color="#17becf",
-                         line_width=1.5)
-        self.figure.add_tools(HoverTool(tooltips=[("step", "@step"),
-                                                  ("steps/s", "@steps_per_s{0.0}")]))
+        line = self.figure.line(x="step", y="steps_per_s", source=self.source,
+                                color="#17becf", line_width=1.5)
+        self.figure.add_tools(HoverTool(renderers=[line], tooltips=[
+            ("step", "@step"), ("generation", "@generation"),
+            ("steps/s", "@steps_per_s{0.0}")]))
         self.latest: float | None = None
 
     def add(self, rows: Iterable[Row]) -> int:
-        cols: dict[str, Any] = {"step": [], "steps_per_s": []}
+        cols: dict[str, Any] = {"step": [], "steps_per_s": [], "generation": []}
         for row in rows:
             if int(row[RANK]) != 0:
                 continue
-            if self._gen != int(row[GEN]):  # a restart: do not count the gap as slowness
-                if self._gen is not None:
+            gen = int(row[GEN])
+            if self._gen != gen:  # a restart: do not count the gap as slowness
+                if self._gen is not None:  # and do not join the lines
                     cols["step"].append(int(row[STEP]))
-                    cols["steps_per_s"].append(math.nan)  # and do not join the lines
-                self._gen = int(row[GEN])
+                    cols["steps_per_s"].append(math.nan)
+                    cols["generation"].append(gen)
+                self._gen = gen
                 self._times.clear()
             self._times.append(float(row[TIME]))
             if len(self._times) >= 2:
@@ -338,55 +402,52 @@ class ThroughputPlot:
                     rate = (len(self._times) - 1) / span
                     cols["step"].append(int(row[STEP]))
                     cols["steps_per_s"].append(rate)
+                    cols["generation"].append(gen)
                     self.latest = rate
-        if cols["step"]:
-            self.source.stream(cols, rollover=self.window)
+        self.run.add(cols)
         return len(cols["step"])
 
 
 class GenerationMarks:
     """A dashed vertical line on each figure at the first step of every new generation,
-    labelled with what started it: a resize (``"2→1 ranks"``, purple) or a restart (orange).
-    At most ``keep`` marks (the oldest go)."""
+    coloured and described by what started it: a resize ("2→1 ranks", purple), a restart
+    after a fault (orange, with its cause), a resume after a preemption (grey). Hover shows
+    the description. At most ``keep`` marks (the oldest go)."""
 
-    COLOURS = {"resize": "#9467bd", "restart": "#ff7f0e"}
+    COLOURS = {"resize": "#9467bd", "restart": "#ff7f0e", "resume": "#7f7f7f"}
 
-    def __init__(self, figures: Sequence[Any], *, keep: int = 40) -> None:
-        self.figures = list(figures)
+    def __init__(self, figures: Sequence[Any], *, keep: int = 200) -> None:
         self.keep = keep
         self._gen: int | None = None
-        self.marks: deque[tuple[int, int, str]] = deque()  # (generation, step, label)
-        self._drawn: deque[list[Any]] = deque()
+        self.source = ColumnDataSource({"x": [], "step": [], "generation": [], "kind": [],
+                                        "label": [], "colour": []}, name="generation-marks")
+        for fig in figures:
+            spans = fig.vspan(x="x", source=self.source, line_color="colour",
+                              line_dash="dashed", line_width=1.5)
+            fig.add_tools(HoverTool(renderers=[spans], tooltips=[
+                ("generation", "@generation"), ("from step", "@step"), ("", "@label")]))
 
-    def add(self, rows: Iterable[Row], describe: Any) -> int:
+    @property
+    def marks(self) -> list[tuple[int, int, str]]:
+        data = self.source.data
+        return list(zip(data["generation"], data["step"], data["label"], strict=True))
+
+    def add(self, rows: Iterable[Row], describe: Callable[[int], tuple[str, str]]) -> int:
         """Mark the new generations among rank 0's ``rows``; ``describe(generation)`` gives
         ``(kind, label)``. Returns how many marks were added."""
-        added = 0
+        new: dict[str, list[Any]] = {str(k): [] for k in self.source.data}
         for row in rows:
             if int(row[RANK]) != 0:
                 continue
             gen = int(row[GEN])
             if self._gen is not None and gen != self._gen:
                 kind, label = describe(gen)
-                self._mark(gen, int(row[STEP]), kind, label)
-                added += 1
+                step = int(row[STEP])
+                for key, value in (("x", step - 0.5), ("step", step), ("generation", gen),
+                                   ("kind", kind), ("label", label),
+                                   ("colour", self.COLOURS.get(kind, "#7f7f7f"))):
+                    new[key].append(value)
             self._gen = gen
-        return added
-
-    def _mark(self, gen: int, step: int, kind: str, label: str) -> None:
-        colour = self.COLOURS.get(kind, "#7f7f7f")
-        models = []
-        for fig in self.figures:
-            span = Span(location=step - 0.5, dimension="height", line_color=colour,
-                        line_dash="dashed", line_width=1.5)
-            text = Label(x=step - 0.5, y=4, y_units="screen", text=label, text_color=colour,
-                         text_font_size="8pt", x_offset=3)
-            fig.add_layout(span)
-            fig.add_layout(text)
-            models.append((fig, span, text))
-        self.marks.append((gen, step, label))
-        self._drawn.append(models)
-        while len(self.marks) > self.keep:
-            self.marks.popleft()
-            for fig, span, text in self._drawn.popleft():
-                fig.center = [m for m in fig.center if m is not span and m is not text]
+        if new["x"]:
+            self.source.stream(dict(new), rollover=self.keep)
+        return len(new["x"])
