@@ -102,6 +102,9 @@ class Settings:
     #: The operator's token: a client holding it may steer every job and submit above the
     #: priority ceiling. Empty: no operator (the embedded cluster makes one for its owner).
     operator_token: str = ""
+    #: How long the ticket in a job page's URL (from ``job.dashboard()``) lets its holder
+    #: steer the job. The URL is saved with the notebook's output: keep this short.
+    view_ticket_s: float = 12 * 3600.0
     #: Ended jobs the controller remembers (for ``cluster.jobs`` and reattaching).
     jobs_kept: int = 200
     #: Step rows the controller keeps per job for clients that attach later (newest kept).

@@ -435,10 +435,11 @@ def test_display_mode_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NBTRAIN_DISPLAY", "widget")
     assert display_mod.resolve_display("auto") == "widget"
     assert display_mod.resolve_display("text") == "text"  # an explicit argument wins
+    assert display_mod.resolve_display("page") == "page"
     monkeypatch.setenv("NBTRAIN_DISPLAY", "txt")
-    with pytest.raises(ValueError, match=r"NBTRAIN_DISPLAY.*auto, widget, text"):
+    with pytest.raises(ValueError, match=r"NBTRAIN_DISPLAY.*auto, page, widget, text"):
         display_mod.resolve_display()
-    with pytest.raises(ValueError, match="one of auto, widget, text"):
+    with pytest.raises(ValueError, match="one of auto, page, widget, text"):
         display_mod.resolve_display("html")
 
 

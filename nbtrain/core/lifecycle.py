@@ -404,6 +404,9 @@ class JobMachine:
             return
         job.resize = PendingResize(placement=d.placement, old_size=gen.size, reason=d.reason,
                                    asked=self.now)
+        self._publish_cluster({"kind": "resize", "job": job.id,
+                               "reason": f"{job.name} resized {gen.size} -> {new} ranks: "
+                                         f"{d.reason}"})
         self._growth_note(job)
         self._publish(job, resize_event(self.wall, phase="requested", old=gen.size, new=new,
                                         reason=d.reason, generation=gen.number))
@@ -1125,6 +1128,8 @@ class JobMachine:
             return
         job.preempt = Preemption(cause="scheduler", reason=d.reason,
                                  deadline=self.now + d.grace_s, for_job=d.for_job)
+        self._publish_cluster({"kind": "preemption", "job": job.id,
+                               "reason": f"{job.name} preempted: {d.reason}"})
         self._set_control(job, preempt=1)
         self._set_state(job, JobState.STOPPING,
                         f"{d.reason}: checkpointing at the next step boundary, then releasing "

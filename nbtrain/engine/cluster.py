@@ -30,6 +30,7 @@ from nbtrain.core.faults import Fault
 from nbtrain.core.job import JobSpec, format_progress
 from nbtrain.core.lifecycle_types import JobPolicy, JobSubmission
 from nbtrain.core.mitigation import MitigationSettings, make_policy
+from nbtrain.engine import pages
 from nbtrain.engine.checkpoints import job_url, resolve_resume
 from nbtrain.engine.controller import ClusterController
 from nbtrain.engine.embedded import EmbeddedCluster
@@ -162,11 +163,31 @@ class Cluster:
         self._local.scale(n)
 
     def dashboard(self, display: str | None = None, **options: Any) -> Any:
-        """Slots grouped by host, coloured by job and state, and the job queue (live);
-        a text snapshot when ``display="text"`` (or NBTRAIN_DISPLAY=text)."""
+        """The class view: slots by host and NVLink domain coloured by job, every client's
+        jobs with their goodput, the queue with reasons, preemptions as they happen. In a
+        notebook the page the cluster serves (live while the kernel is busy); a text
+        snapshot when ``display="text"`` (or NBTRAIN_DISPLAY=text); ``display="widget"``
+        for the kernel-side widget."""
         from nbtrain.ui.cluster_view import cluster_dashboard
 
         return cluster_dashboard(self, display=display, **options)
+
+    def page(self) -> Any:
+        """The class view served by the cluster (a ``PageView``)."""
+        from nbtrain.ui.pageview import PageView
+
+        reply = self._remote.call("nbtrain_view")
+        if reply["served"] == "none":
+            raise RuntimeError("this cluster's scheduler has no web server (its dashboard is "
+                               "off), so it serves no pages: use display='widget' or 'text'")
+        return PageView(self.page_url(reply["path"]), "nbtrain cluster")
+
+    def page_url(self, path: str) -> str:
+        """A page of the scheduler's web server, addressed like Dask's dashboard link (which
+        follows ``distributed.dashboard.link``, e.g. through jupyter-server-proxy on a hub)."""
+        link = str(self.client.dashboard_link)
+        base = link[: -len("status")] if link.endswith("status") else link.rstrip("/") + "/"
+        return base + path.lstrip("/")
 
     # -- jobs -----------------------------------------------------------------------------
     def submit(self, recipe: Any, *, world_size: int, steps: int | None = None,
@@ -389,6 +410,7 @@ def connect(address: str | Client | None = None, *, n_workers: int | None = None
         # Worker processes that may start children (DataLoader workers). Nannies read this
         # each time they (re)start a worker, so it stays set in this process.
         dask.config.set({"distributed.worker.daemon": False})
+        pages.install()  # the job and class pages join the dashboard this scheduler serves
         with dask.config.set(config):
             local = EmbeddedCluster(n_workers=0 if gpu_ids else n, gpus=gpu_ids,
                                     threads_per_worker=1, processes=True, **kwargs)

@@ -109,7 +109,8 @@ class ClusterController(SchedulerPlugin):
 
     # ================================================================== lifecycle
     async def start(self, scheduler: Any) -> None:
-        from nbtrain.engine import handlers
+        from nbtrain.engine import handlers, pages
+        from nbtrain.engine.pages import ViewTicket
 
         if getattr(self, "scheduler", None) is scheduler:
             # Registered by a --preload, then started again at the end of the scheduler's
@@ -140,7 +141,13 @@ class ClusterController(SchedulerPlugin):
         self.decision_s: deque[float] = deque(maxlen=10_000)
         self._client: Client | None = None
         self._client_ready = asyncio.Event()
+        self.view_tickets: dict[str, ViewTicket] = {}
         handlers.install(self, scheduler)
+        try:
+            self.pages = pages.attach(scheduler)
+        except Exception:  # the pages are a view: never keep the controller from starting
+            logger.exception("nbtrain controller: serving its pages failed")
+            self.pages = "none"
         # The internal client connects in the background: while a ``--preload`` runs, the
         # scheduler does not accept connections yet.
         self._spawn(self._connect_client())

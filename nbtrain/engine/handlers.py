@@ -46,6 +46,7 @@ def install(ctl: ClusterController, scheduler: Any) -> None:
         "nbtrain_jobs": functools.partial(jobs, ctl),
         "nbtrain_job": functools.partial(job, ctl),
         "nbtrain_cluster": functools.partial(cluster, ctl),
+        "nbtrain_view": functools.partial(view, ctl),
         "nbtrain_result": functools.partial(result, ctl),
         "nbtrain_rendezvous": functools.partial(rendezvous, ctl),
         "nbtrain_control": functools.partial(control, ctl),
@@ -237,12 +238,40 @@ async def result(ctl: ClusterController, *, job_id: str) -> dict[str, Any]:
 
 
 async def cluster(ctl: ClusterController, *, log_from: int = 0) -> dict[str, Any]:
+    return cluster_snapshot(ctl, log_from)
+
+
+def cluster_snapshot(ctl: ClusterController, log_from: int = 0) -> dict[str, Any]:
+    """Slots, queue, jobs, team usage and the cluster's log (what ``Cluster.snapshot()``
+    and the class view show)."""
     queue = [] if ctl.machine.sched is None else ctl.machine.sched.queued()
     at, log = ctl.cluster_log.since(log_from, 1_000)
+    listing = [ctl._status(jid) for jid in ctl.machine.job_ids()]
     return {"slots": [_with_labels(ctl, s) for s in ctl.machine.slots()], "queue": queue,
             "pending_workers": len(ctl._pending_workers),
-            "jobs": (await jobs(ctl))["jobs"], "team_usage": ctl.machine.team_usage(),
+            "jobs": [s for s in listing if s is not None],
+            "team_usage": ctl.machine.team_usage(),
             "log_at": at, "log": log, "decision_ms": _decision_ms(ctl)}
+
+
+async def view(ctl: ClusterController, *, job_id: str | None = None,
+               token: str = "") -> dict[str, Any]:
+    """Where a live page is: the class view, or a job's page with a ticket for its controls
+    when ``token`` is the job's or the operator's (else read-only). ``served``: "dashboard" or
+    "attached" when the scheduler serves the pages, "none" when it cannot."""
+    from nbtrain.engine.pages import PAGE_CLUSTER, PAGE_JOB, issue_ticket, page_path
+
+    served = getattr(ctl, "pages", "none")
+    if job_id is None:
+        return {"path": page_path(PAGE_CLUSTER), "served": served, "controls": False}
+    _known(ctl, job_id)
+    try:
+        check_owner(ctl, job_id, token, "steer")
+        ticket = issue_ticket(ctl, job_id)
+    except PermissionError:
+        ticket = ""
+    return {"path": page_path(PAGE_JOB, job=job_id, ticket=ticket), "served": served,
+            "controls": bool(ticket)}
 
 
 def _with_labels(ctl: ClusterController, slot: Mapping[str, Any]) -> dict[str, Any]:

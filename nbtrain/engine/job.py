@@ -356,15 +356,34 @@ class JobHandle:
 
     # -- views ----------------------------------------------------------------------------
     def dashboard(self, display: str | None = None, **options: Any) -> Any:
-        """A live dashboard: a widget in JupyterLab, or text progress when headless.
+        """The job's live view. Returns at once.
 
-        ``display`` is "auto" (default; env NBTRAIN_DISPLAY overrides), "widget" or "text".
-        ``options`` tune the view (``rate_hz``, ``lines_max_ranks``, ``window_steps``).
-        Returns at once; the view updates on the kernel's event loop.
+        ``display``: "auto" (default; env NBTRAIN_DISPLAY overrides): the page the cluster
+        serves, shown here in an iframe, when in a notebook, else text progress; "page";
+        "widget" (a kernel-side widget: it updates on the kernel's event loop, so it waits
+        while a cell runs); "text". The page has controls (preempt, resume, checkpoint, stop,
+        resize) for the job's owner and the operator, and is read-only for anyone else; it
+        keeps updating while this kernel is busy or gone. ``options`` tune the widget
+        (``rate_hz``, ``lines_max_ranks``, ``window_steps``).
         """
         from nbtrain.ui.dashboard import job_dashboard
 
         return job_dashboard(self, display=display, **options)
+
+    def page(self) -> Any:
+        """The job's page served by the cluster (a ``PageView``: ``.url``, shown in a
+        notebook as the live page); with controls when this handle owns the job."""
+        from nbtrain.ui.pageview import PageView
+
+        if self._cluster is None:
+            raise RuntimeError(f"job {self.name}: this handle is not attached to a cluster")
+        reply = self._cluster._remote.call("nbtrain_view", job_id=self.id, token=self._token
+                                           or self._cluster._remote.operator_token)
+        if reply["served"] == "none":
+            raise RuntimeError("this cluster's scheduler has no web server (its dashboard is "
+                               "off), so it serves no pages: use display='widget' or 'text'")
+        return PageView(self._cluster.page_url(reply["path"]), f"job {self.name}",
+                        controls=bool(reply["controls"]))
 
     def report(self, path: str) -> str:
         """Write a standalone HTML report (plots and summary) to ``path``; returns the path."""

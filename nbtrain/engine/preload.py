@@ -11,7 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 from nbtrain.config import Settings
+from nbtrain.engine import pages
 from nbtrain.engine.controller import PLUGIN_NAME, ClusterController
+
+# Imported while the scheduler starts, before its dashboard does: the pages join Dask's own
+# dashboard applications (and so dask-labextension's list).
+pages.install()
 
 
 async def dask_setup(scheduler: Any) -> None:

@@ -29,8 +29,14 @@ _STATE_ALPHA = {"RUNNING": 0.95, "STARTING": 0.5, "STOPPING": 0.5}
 def cluster_dashboard(cluster: Any, display: str | None = None, **options: Any) -> Any:
     """A live :class:`ClusterDashboard` widget, or a :class:`ClusterText` snapshot when the
     display mode (see :func:`~nbtrain.ui.display.resolve_display`) is text."""
-    if resolve_display(display) == "text":
+    mode = resolve_display(display)
+    if mode == "text":
         return ClusterText(cluster)
+    if mode == "page":
+        try:
+            return cluster.page()
+        except RuntimeError:  # no pages on this cluster: the kernel-side widget instead
+            pass
     from nbtrain.ui.dashboard import ensure_bokehjs
 
     ensure_bokehjs()
@@ -40,7 +46,12 @@ def cluster_dashboard(cluster: Any, display: str | None = None, **options: Any) 
 def slot_rows(cluster: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Plot columns for every slot, and the jobs (status dicts), from one consistent
     snapshot of the cluster's controller."""
-    snap = cluster.snapshot()
+    return slot_columns(cluster.snapshot())
+
+
+def slot_columns(snap: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Plot columns for every slot of a cluster snapshot (``Cluster.snapshot()``), and its
+    jobs."""
     jobs: list[dict[str, Any]] = list(snap["jobs"])
     by_id = {j["job_id"]: j for j in jobs}
     colours = {j["job_id"]: _JOB_PALETTE[i % len(_JOB_PALETTE)] for i, j in enumerate(jobs)}

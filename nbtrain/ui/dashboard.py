@@ -28,6 +28,7 @@ import ipywidgets as widgets
 from nbtrain.engine.job import JobHandle
 from nbtrain.ui.display import dashboard_hz, in_kernel, resolve_display
 from nbtrain.ui.eventlog import EventLog
+from nbtrain.ui.panels import alerts_html, checkpoint_html, header_html
 from nbtrain.ui.plots import (
     PHASES,
     GenerationMarks,
@@ -38,10 +39,6 @@ from nbtrain.ui.plots import (
 )
 from nbtrain.ui.poller import Poller
 
-STATE_COLOURS = {"RUNNING": "#2a7", "SUCCEEDED": "#27a", "FAILED": "#c33", "QUEUED": "#a80",
-                 "STARTING": "#a80", "STOPPING": "#a80", "PREEMPTED": "#a50",
-                 "CANCELLED": "#666"}
-_LEVEL_COLOURS = {"error": "#c33", "warn": "#b70", "info": "#555"}
 FAULT_KINDS = ("kill", "raise", "hang", "slow")
 
 _bokehjs_loaded = False
@@ -70,8 +67,14 @@ def job_dashboard(job: JobHandle, display: str | None = None, **options: Any) ->
     """The view ``job.dashboard(display=...)`` returns: :class:`JobDashboard` (a widget) or
     :class:`TextProgress` (lines on stdout), chosen by :func:`~nbtrain.ui.display.resolve_display`.
     ``options`` go to the chosen class."""
-    if resolve_display(display) == "text":
+    mode = resolve_display(display)
+    if mode == "text":
         return TextProgress(job, **options)
+    if mode == "page":
+        try:
+            return job.page()
+        except RuntimeError:  # no pages on this cluster: the kernel-side widget instead
+            pass
     ensure_bokehjs()
     return JobDashboard(job, **options)
 
@@ -181,9 +184,7 @@ class JobDashboard(widgets.VBox):
             self._add_output(output)
         self._poll_goodput()
         self.header.value = self._header_html()
-        self.checkpoint_panel.value = (
-            "<b>Checkpoint</b><div style='font-size:90%;line-height:1.25'>"
-            + html.escape(self.eventlog.checkpoint.describe(time.time())) + "</div>")
+        self.checkpoint_panel.value = checkpoint_html(self.eventlog)
         self._update_controls()
         if done and not rows and not new_events:
             self._quiet_ticks += 1
@@ -216,36 +217,15 @@ class JobDashboard(widgets.VBox):
     # -- panels -----------------------------------------------------------------------------
     def _header_html(self) -> str:
         job = self.job
-        state = job.status.value
-        colour = STATE_COLOURS.get(state, "#666")
+        status = {"name": job.name, "state": job.status.value, "reason": job.reason,
+                  "step": job.step, "steps": job.spec.steps, "generation": job.generation,
+                  "size": job.size or len(job.slots), "world_size": job.spec.world_size}
         restarts = getattr(job, "restarts", None)
-        if not isinstance(restarts, int):
-            restarts = self.eventlog.restarts
-        parts = [f"step {job.spec.progress(job.step)}",
-                 f"generation {max(job.generation, 0)}",
-                 f"world size {len(job.slots) or job.spec.world_size}",
-                 f"restarts {restarts}"]
-        if self.eventlog.goodput is not None:
-            parts.append(f"goodput {self.eventlog.goodput:.0%}")
-        if self.rate_plot.latest is not None and state == "RUNNING":
-            parts.append(f"{self.rate_plot.latest:.1f} steps/s")
-        return (f"<div class='nbtrain-header'><b>{html.escape(job.name)}</b> "
-                f"<span class='nbtrain-state' style='color:{colour};font-weight:bold'>"
-                f"{state}</span> · {' · '.join(parts)}<br>"
-                f"<i>{html.escape(job.reason)}</i></div>")
+        status["restarts"] = restarts if isinstance(restarts, int) else self.eventlog.restarts
+        return header_html(status, self.eventlog, self.rate_plot.latest)
 
     def _alerts_html(self) -> str:
-        alerts = self.eventlog.recent(self.alerts_shown)
-        if not alerts:
-            return "<b>Alerts</b><br><i>none</i>"
-        lines = []
-        for alert in alerts:
-            stamp = (time.strftime("%H:%M:%S", time.localtime(alert.time))
-                     if alert.time is not None else "")
-            lines.append(f"<div style='color:{_LEVEL_COLOURS.get(alert.level, '#555')}'>"
-                         f"{stamp} {html.escape(alert.text)}</div>")
-        return ("<b>Alerts</b> (newest first)<div style='font-size:90%;max-height:7.5em;"
-                "overflow:auto;line-height:1.25'>" + "".join(lines) + "</div>")
+        return alerts_html(self.eventlog, self.alerts_shown)
 
     def _poll_goodput(self) -> None:
         """Ask the handle for its goodput (when it has the method) at most every 2 s."""

@@ -1,10 +1,10 @@
 """Which view to show (live widget or text lines) and how often to refresh it.
 
 "Am I in a notebook?" heuristics all answer yes under papermill and nbval: they run a real
-ipykernel. So the choice is explicit: ``display="widget" | "text"``, or ``"auto"`` which reads
-the environment variable ``NBTRAIN_DISPLAY`` (or Dask config ``nbtrain.display``) first and
-only then guesses (widget inside an IPython kernel, text anywhere else). A CI job or a
-papermill run sets ``NBTRAIN_DISPLAY=text`` once instead of editing notebooks.
+ipykernel. So the choice is explicit: ``display="page" | "widget" | "text"``, or ``"auto"``
+which reads the environment variable ``NBTRAIN_DISPLAY`` (or Dask config ``nbtrain.display``)
+first and only then guesses (the served page inside an IPython kernel, text anywhere else).
+A CI job or a papermill run sets ``NBTRAIN_DISPLAY=text`` once instead of editing notebooks.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Literal
 
 import dask.config
 
-Mode = Literal["widget", "text"]
+Mode = Literal["page", "widget", "text"]
 
 DISPLAY_ENV = "NBTRAIN_DISPLAY"
 RATE_ENV = "NBTRAIN_DASHBOARD_HZ"
@@ -27,14 +27,16 @@ DEFAULT_HZ = 4.0
 #: spend more on drawing than the eye can follow.
 MIN_HZ, MAX_HZ = 0.2, 20.0
 
-_CHOICES = ("auto", "widget", "text")
+_CHOICES = ("auto", "page", "widget", "text")
 
 
 def resolve_display(display: str | None = None) -> Mode:
-    """``"widget"`` or ``"text"`` from the argument, the environment, or a guess.
+    """``"page"``, ``"widget"`` or ``"text"`` from the argument, the environment, or a guess.
 
-    Order: an explicit ``"widget"``/``"text"`` argument; then ``NBTRAIN_DISPLAY``; then Dask
-    config ``nbtrain.display``; then widget when running inside an IPython kernel, else text.
+    Order: an explicit argument; then ``NBTRAIN_DISPLAY``; then Dask config
+    ``nbtrain.display``; then ``"page"`` (the live page the cluster serves, in an iframe)
+    inside an IPython kernel, else text. ``"widget"`` is the kernel-side widget: it updates
+    on the kernel's event loop, so it freezes while a cell runs.
     """
     choice = _check(display or "auto", "display")
     if choice != "auto":
@@ -47,7 +49,7 @@ def resolve_display(display: str | None = None) -> Mode:
             picked = _check(str(value).strip().lower(), source)
             if picked != "auto":
                 return picked
-    return "widget" if in_kernel() else "text"
+    return "page" if in_kernel() else "text"
 
 
 def in_kernel() -> bool:
@@ -81,12 +83,9 @@ def dashboard_hz(value: float | None = None) -> float:
     return hz
 
 
-def _check(value: str, source: str) -> Literal["auto", "widget", "text"]:
-    if value == "auto":
-        return "auto"
-    if value == "widget":
-        return "widget"
-    if value == "text":
-        return "text"
+def _check(value: str, source: str) -> Literal["auto", "page", "widget", "text"]:
+    for choice in ("auto", "page", "widget", "text"):
+        if value == choice:
+            return choice
     raise ValueError(f"display from {source} must be one of {', '.join(_CHOICES)}; "
                      f"got {value!r}")

@@ -1,0 +1,200 @@
+"""The pages the cluster serves (nbtrain.engine.pages), read with Bokeh's own client: a real
+scheduler's web server, real Bokeh sessions, the documents the browser would get. The browser
+test drives them in Chromium."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs
+
+import pytest
+from bokeh.client import pull_session
+
+import nbtrain
+from nbtrain import Fault, JobState, Settings
+from nbtrain.engine.standalone import BIN, free_port, standalone_cluster
+from tests.clients import run_client
+from tests.conftest import wait_for
+from tests.recipes import Regression
+
+
+@contextlib.contextmanager
+def page(url: str) -> Iterator[Any]:
+    """The page's Bokeh document, as a browser session would hold it."""
+    base, _, query = url.partition("?")
+    args = {k: v[0] for k, v in parse_qs(query).items()}
+    with pull_session(url=base, arguments=args) as session:
+        yield session.document
+
+
+def model(doc: Any, name: str) -> Any:
+    found = doc.select({"name": name})
+    return next(iter(found)) if found else None
+
+
+def generations_never_joined(doc: Any, ranks: int) -> list[int]:
+    """The generations seen on each rank's step-time line; asserts a NaN point sits between
+    every two consecutive points of different generations (the line is broken there)."""
+    seen: list[int] = []
+    for rank in range(ranks):
+        data = model(doc, f"steptime-r{rank}").data
+        gens, values = list(data["generation"]), list(data["step_ms"])
+        for i in range(1, len(gens)):
+            if gens[i] != gens[i - 1]:
+                assert math.isnan(values[i]) or math.isnan(values[i - 1]), (rank, i)
+        seen += sorted(set(gens))
+    return seen
+
+
+def test_the_owner_gets_controls_others_a_read_only_page(free_cluster: nbtrain.Cluster) -> None:
+    job = free_cluster.submit(Regression(step_sleep=0.01), world_size=2, steps=10**6,
+                              checkpoint=None, name="paged")
+    try:
+        wait_for(lambda: job.step >= 10, 120, "training")
+        mine = job.page()
+        assert mine.controls and "ticket=" in mine.url
+        with page(mine.url) as doc:
+            assert {"nbtrain-preempt", "nbtrain-stop", "nbtrain-checkpoint"} <= {
+                m.name for m in doc.roots[0].references()}
+            assert "paged" in model(doc, "nbtrain-header").text
+            assert len(model(doc, "steptime-r1").data["step"]) >= 10
+        anyone = mine.url.split("&ticket=")[0]
+        forged = anyone + "&ticket=not-a-ticket"
+        for url in (anyone, forged):
+            with page(url) as doc:
+                names = {m.name for m in doc.roots[0].references()}
+                assert "nbtrain-stop" not in names and "nbtrain-preempt" not in names
+                assert "read-only" in model(doc, "nbtrain-message").text
+        listed = json.loads(urllib.request.urlopen(
+            free_cluster.page_url("individual-plots.json"), timeout=30).read())
+        assert {"/individual-nbtrain-job", "/individual-nbtrain-cluster"} <= set(
+            listed.values())  # what dask-labextension shows in JupyterLab's Dask panel
+    finally:
+        job.stop()
+        job.wait(120)
+
+
+def test_no_line_joins_two_generations_after_a_preemption_and_a_recovery(
+        free_cluster: nbtrain.Cluster) -> None:
+    job = free_cluster.submit(Regression(step_sleep=0.01), world_size=2, steps=10**6,
+                              checkpoint=5, name="generations",
+                              faults=[Fault("kill", rank=1, step=15)])
+    try:
+        wait_for(lambda: job.restarts == 1 and job.step >= 25, 180, "the recovery")
+        job.preempt()
+        wait_for(lambda: job.status is JobState.PREEMPTED, 120, "preempted")
+        job.resume()
+        wait_for(lambda: job.generation == 2 and job.step >= 40, 180, "the resumed job")
+        with page(job.page().url) as doc:
+            assert set(generations_never_joined(doc, 2)) == {0, 1, 2}
+            marks = model(doc, "generation-marks").data
+            assert list(marks["generation"]) == [1, 2]
+            assert list(marks["kind"]) == ["restart", "resume"]
+            assert "worker died" in marks["label"][0] and "preempt" in marks["label"][1]
+            loss = model(doc, "metric-loss").data
+            assert sum(1 for v in loss["value"] if math.isnan(v)) == 2
+    finally:
+        job.stop()
+        job.wait(120)
+
+
+def test_class_view_shows_every_clients_jobs_and_the_page_outlives_its_kernel(
+        tmp_path: Path) -> None:
+    with standalone_cluster(2, logs=tmp_path / "logs") as cc:
+        owner = run_client(f"""
+            import nbtrain, os, time
+            c = nbtrain.connect({cc.address!r})
+            job = c.submit(recipes.Regression(step_sleep=0.02), world_size=1, steps=10**6,
+                           name="alice", team="teaching", checkpoint=None)
+            while job.step < 5:
+                time.sleep(0.05)
+            print(json.dumps({{"url": job.page().url}}), flush=True)
+            os.kill(os.getpid(), 9)  # the kernel dies
+        """, env={"NBTRAIN_TOKEN_FILE": str(tmp_path / "alice.json")})
+        out, err = owner.communicate(timeout=180)
+        assert owner.returncode == -signal.SIGKILL, err
+        alice_url = json.loads(out.strip().splitlines()[-1])["url"]
+        settings = Settings.load(token_file=str(tmp_path / "bob.json"))
+        with nbtrain.connect(cc.address, settings=settings) as bob:
+            mine = bob.submit(Regression(step_sleep=0.02), world_size=1, steps=10**6,
+                              name="bob", checkpoint=None)
+            wait_for(lambda: mine.step >= 5, 120, "bob's job training")
+            with page(bob.page().url) as doc:
+                wait_for(lambda: sorted(model(doc, "cluster-jobs").data["state"]) == [
+                    "RUNNING", "RUNNING"], 30, "both jobs in the class view")
+                jobs = model(doc, "cluster-jobs").data
+                assert sorted(j.split(">")[1].split("<")[0] for j in jobs["link"]) == [
+                    "alice", "bob"]
+                assert len(set(jobs["owner"])) >= 1 and "teaching" in jobs["team"]
+                assert sorted(set(model(doc, "cluster-slots").data["job"])) == ["alice", "bob"]
+            # Alice's kernel is gone; her page (with her ticket) still updates, and steers.
+            with page(alice_url) as doc:
+                rows = len(model(doc, "steptime-r0").data["step"])
+                assert "nbtrain-stop" in {m.name for m in doc.roots[0].references()}
+            with page(alice_url) as doc:
+                wait_for(lambda: len(model(doc, "steptime-r0").data["step"]) > rows, 60,
+                         "the page updating after its kernel died")
+            mine.stop()
+            alice = bob.job("alice")
+            bob._remote.call("nbtrain_request", job_id=alice.id, what="stop",
+                             token=cc.operator_token)
+            assert alice.wait(120) is JobState.CANCELLED
+
+
+def test_pages_are_served_by_a_scheduler_started_without_nbtrain(tmp_path: Path) -> None:
+    """A plain ``dask scheduler`` (no preload): the controller starts with the first client
+    and serves the pages from a second Bokeh application on the same web server."""
+    port = free_port()
+    log = open(tmp_path / "scheduler.log", "wb")  # noqa: SIM115
+    sched = subprocess.Popen(
+        [str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", str(port),
+         "--dashboard-address", "127.0.0.1:0"], stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True)
+    worker = subprocess.Popen(
+        [str(BIN / "dask"), "worker", f"tcp://127.0.0.1:{port}", "--nthreads", "1",
+         "--host", "127.0.0.1", "--no-dashboard"], stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True, env={**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"})
+    try:
+        settings = Settings.load(token_file=str(tmp_path / "t.json"))
+        with nbtrain.connect(f"tcp://127.0.0.1:{port}", settings=settings) as c, \
+                page(c.page().url) as doc:
+            assert "nbtrain cluster" in model(doc, "nbtrain-cluster-header").text
+    finally:
+        for proc in (worker, sched):
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+        log.close()
+
+
+@pytest.mark.parametrize("display", ["page", "auto"])
+def test_dashboard_in_a_kernel_is_the_served_page(display: str, monkeypatch: pytest.MonkeyPatch,
+                                                  free_cluster: nbtrain.Cluster) -> None:
+    from nbtrain.ui import display as display_mod
+    from nbtrain.ui.pageview import PageView
+
+    monkeypatch.delenv("NBTRAIN_DISPLAY", raising=False)
+    monkeypatch.setattr(display_mod, "in_kernel", lambda: True)
+    job = free_cluster.submit(Regression(), world_size=1, steps=5, checkpoint=None)
+    view = job.dashboard(display=display)
+    assert isinstance(view, PageView) and view.controls
+    assert f"<iframe src='{view.url}" in view._repr_html_().replace("&amp;", "&")
+    assert isinstance(free_cluster.dashboard(display=display), PageView)
+    job.wait(120)
+
+
+def test_the_page_module_imports_without_bokeh_server_at_import_time() -> None:
+    code = ("import sys, nbtrain.engine.pages; "
+            "print('bokeh.server' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
