@@ -1,11 +1,19 @@
-"""The dashboard in a real JupyterLab, driven by headless Chromium through Playwright.
+"""The served live pages in a real JupyterLab, driven by headless Chromium through Playwright.
 
-Starts JupyterLab on 127.0.0.1 (a free port, a token, a temporary root), opens a notebook,
-runs it cell by cell, and checks what a user sees: the Bokeh canvas inside the widget, the
-step-time plot's data advancing in the browser, a second cell answering while training runs,
-Preempt / Resume acting on the job, and the cluster view drawing its slots. Screenshots go to
-``artifacts/``; with ``NBTRAIN_README_SCREENSHOT=1`` the dashboard's picture also goes to
-``docs/dashboard.png``.
+A scheduler and two workers run as their own processes (``standalone_cluster``), as a lab's
+shared cluster does. JupyterLab (loopback, a token, a temporary root) opens a notebook whose
+cells connect, submit a job that a rank kill will interrupt, show ``job.dashboard()`` and then
+block in ``job.wait()``; it is started with "Run All". The test then checks what users see:
+
+- the job's page (an iframe the cluster serves) advances while the kernel blocks in the wait;
+- a second browser context without the owner's ticket sees the job live, with no controls;
+- the owner's Preempt and Resume on the page act on the job; the page's lines break at the
+  recovery and at the resume, with one mark for each;
+- the notebook kernel is restarted mid-run: the pages keep updating, a new kernel reattaches
+  with ``cluster.job(name)`` and stops the job; the class view lists it.
+
+Screenshots go to ``artifacts/``; with ``NBTRAIN_README_SCREENSHOT=1`` the job page's picture
+(with the recovery and resume marks) also goes to ``docs/dashboard.png``.
 
 Skips when Chromium is missing, unless ``CI`` is set: there a missing browser is a failure.
 """
@@ -17,7 +25,6 @@ import os
 import secrets
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -29,7 +36,9 @@ from typing import Any
 import nbformat
 import pytest
 
-pytestmark = [pytest.mark.browser, pytest.mark.timeout(420)]
+from nbtrain.engine.standalone import StandaloneCluster, standalone_cluster
+
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(480)]
 
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "artifacts"
@@ -38,19 +47,23 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu",
                  "--disable-background-networking", "--disable-component-update",
                  "--disable-sync"]
 
-CELLS = [
-    "import nbtrain\nfrom nbtrain.examples import DigitsMLP\n"
-    "cluster = nbtrain.connect(n_workers=2)\nprint('cluster ready')",
-    "job = cluster.submit(DigitsMLP(), world_size=2, steps=1_000_000, name='browser',\n"
-    "                     checkpoint=200)\n"
-    "job.dashboard(display='widget')",
-    "import time\nprint('second cell ran at step', job.step if 'job' in globals() else None,\n"
-    "      'at', repr(time.time()))",
-    "cluster.dashboard()",
-    "job.stop(); job.wait(120); cluster.close(); print('closed', job.status.value)",
-]
 
-#: The last step the browser holds in the step-time plot's data (rank 0), or null.
+def cells(address: str) -> list[str]:
+    return [
+        f"import nbtrain\nfrom nbtrain.examples import DigitsMLP\n"
+        f"cluster = nbtrain.connect({address!r})\nprint('cluster ready')",
+        "job = cluster.submit(DigitsMLP(), world_size=2, steps=1_000_000, name='browser',\n"
+        "                     checkpoint=50, faults=[nbtrain.Fault('kill', rank=1, step=120)])\n"
+        "job.dashboard()",
+        "print('waiting in job.wait()', flush=True)\nprint('wait returned', job.wait())",
+        # run by hand after the kernel restart
+        f"import nbtrain\ncluster = nbtrain.connect({address!r})\njob = cluster.job('browser')\n"
+        "print('reattached', job.status.value, 'step', job.step)",
+        "job.stop(); print('closed', job.wait(120).value)",
+    ]
+
+
+#: The last step the page holds in its step-time data (rank 0), or null.
 LAST_STEP_JS = """() => {
   if (!window.Bokeh) return null;
   for (const view of Bokeh.index) {
@@ -61,12 +74,32 @@ LAST_STEP_JS = """() => {
   return null;
 }"""
 
+#: The generations on rank 0's step-time line and whether a NaN breaks the line between any
+#: two of them (what the page draws, read from the data the browser holds).
+GENERATIONS_JS = """() => {
+  for (const view of Bokeh.index) {
+    const doc = view.model.document;
+    const src = doc && doc.get_model_by_name('steptime-r0');
+    if (!src) continue;
+    const g = src.data.generation, v = src.data.step_ms;
+    let joined = 0;
+    for (let i = 1; i < g.length; i++)
+      if (g[i] !== g[i - 1] && !Number.isNaN(v[i]) && !Number.isNaN(v[i - 1])) joined++;
+    const marks = doc.get_model_by_name('generation-marks');
+    return {gens: [...new Set(g)], joined: joined,
+            marks: marks ? Array.from(marks.data.kind) : []};
+  }
+  return null;
+}"""
+
 KERNEL_IDLE_JS = """() => {
   const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
   const k = w && w.sessionContext && w.sessionContext.session &&
             w.sessionContext.session.kernel;
   return !!k && k.connectionStatus === 'connected' && k.status === 'idle';
 }"""
+
+KERNEL_BUSY_JS = KERNEL_IDLE_JS.replace("'idle'", "'busy'")
 
 RUN_CELL_JS = """async (i) => {
   const w = window.jupyterapp.shell.currentWidget;
@@ -93,27 +126,36 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StandaloneCluster]:
+    """The lab's cluster: a scheduler and two workers in processes of their own."""
+    with standalone_cluster(2, logs=tmp_path_factory.mktemp("cluster-logs")) as cc:
+        yield cc
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory,
+        shared: StandaloneCluster) -> Iterator[dict[str, Any]]:
     """A JupyterLab server on loopback with a token; its root holds the test notebook."""
     base = tmp_path_factory.mktemp("lab")
     root = base / "root"
     root.mkdir()
     settings = base / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
-    # no news/update toasts over the widget in screenshots (and no network lookups)
+    # no news/update toasts over the page in screenshots (and no network lookups)
     (settings / "notification.jupyterlab-settings").write_text(
         json.dumps({"fetchNews": "false", "checkForUpdates": False}))
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
                                  "language": "python"}
-    nb.cells = [nbformat.v4.new_code_cell(src) for src in CELLS]
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in cells(shared.address)]
     nbformat.write(nb, root / "dashboard.ipynb")
 
     port, token = free_port(), secrets.token_hex(16)
     env = {k: v for k, v in os.environ.items() if not k.startswith("NBTRAIN_")}
     env.update(JUPYTER_CONFIG_DIR=str(base / "config"), JUPYTER_RUNTIME_DIR=str(base / "rt"),
                JUPYTERLAB_SETTINGS_DIR=str(base / "settings"),
-               JUPYTERLAB_WORKSPACES_DIR=str(base / "ws"), NBTRAIN_DASHBOARD_HZ="5",
+               JUPYTERLAB_WORKSPACES_DIR=str(base / "ws"),
+               NBTRAIN_TOKEN_FILE=str(base / "tokens.json"),  # the restarted kernel's key
                PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
     log = (base / "server.log").open("w")
     server = subprocess.Popen(
@@ -137,7 +179,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     try:
         yield {"url": url, "token": token, "log": base / "server.log"}
     finally:
-        server.terminate()  # shuts the kernel down, which closes its embedded cluster
+        server.terminate()
         try:
             server.wait(60)
         except subprocess.TimeoutExpired:
@@ -146,122 +188,133 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         log.close()
 
 
-def test_dashboard_live_in_jupyterlab(lab: dict[str, Any]) -> None:
+def test_served_pages_in_jupyterlab(lab: dict[str, Any]) -> None:
     from playwright.sync_api import sync_playwright
 
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium(), args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1400})
+        owner = browser.new_page(viewport={"width": 1400, "height": 1500})
+        guest = browser.new_context(viewport={"width": 1400, "height": 1200}).new_page()
         errors: list[str] = []
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        for page in (owner, guest):
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
         try:
-            _drive(page, lab)
+            _drive(owner, guest, lab)
         except BaseException:
-            page.screenshot(path=str(ARTIFACTS / "browser-failure.png"), full_page=True)
+            owner.screenshot(path=str(ARTIFACTS / "browser-failure.png"), full_page=True)
+            guest.screenshot(path=str(ARTIFACTS / "browser-failure-guest.png"), full_page=True)
             raise
         finally:
             browser.close()
         assert not [e for e in errors if "bokeh" in e.lower()], errors
 
 
+def _step(frame: Any) -> int:
+    return int(frame.evaluate(LAST_STEP_JS) or 0)
+
+
+def _advances(frame: Any, by: int, timeout_s: float) -> int:
+    """Waits until the page's data moves ``by`` steps past where it is; returns the step."""
+    first = _step(frame)
+    frame.wait_for_function(f"() => ({LAST_STEP_JS})() >= {first + by}",
+                            timeout=timeout_s * 1000)
+    return _step(frame)
+
+
+def _drive(owner: Any, guest: Any, lab: dict[str, Any]) -> None:
+    from playwright.sync_api import expect
+
+    owner.goto(f"{lab['url']}/lab/tree/dashboard.ipynb?token={lab['token']}")
+    owner.wait_for_function(KERNEL_IDLE_JS, timeout=90_000)
+    nb_cells = owner.locator(".jp-Notebook .jp-Cell")
+
+    def output(i: int, text: str, timeout_s: float) -> None:
+        nb_cells.nth(i).locator(".jp-OutputArea-output", has_text=text).wait_for(
+            timeout=timeout_s * 1000)
+
+    # "Run All" of the first three cells (the last two are for the restarted kernel):
+    # connect, submit + dashboard, then job.wait() blocks the kernel. Not awaited: the
+    # command's promise settles only when the cells have run.
+    owner.evaluate("() => { const w = window.jupyterapp.shell.currentWidget;"
+                   " w.content.activeCellIndex = 3;"
+                   " window.jupyterapp.commands.execute('notebook:run-all-above'); }")
+    output(2, "waiting in job.wait()", 240)
+    iframe = nb_cells.nth(1).locator("iframe")
+    iframe.wait_for(timeout=60_000)
+    url = iframe.get_attribute("src")
+    assert url and "/individual-nbtrain-job?job=" in url and "ticket=" in url, url
+    frame = iframe.element_handle().content_frame()
+    assert frame is not None
+    mine = owner.frame_locator(".jp-Cell iframe").first
+    state = mine.locator(".nbtrain-state")
+    _wait_text(state, "RUNNING", 180)
+
+    # the page advances while the kernel is blocked in job.wait()
+    t0, s0 = time.monotonic(), _advances(frame, 1, 120)
+    s1 = _advances(frame, 20, 120)
+    rate = (s1 - s0) / (time.monotonic() - t0)
+    assert owner.evaluate(KERNEL_BUSY_JS), "the kernel should still be blocked in job.wait()"
+    print(f"page advanced {s1 - s0} steps in {time.monotonic() - t0:.1f} s while the kernel "
+          f"waited ({rate:.1f} steps/s)")
+
+    # the injected kill at step 120: the page shows the recovery with its cause
+    frame.wait_for_function(f"() => {{ const g = ({GENERATIONS_JS})(); "
+                            f"return g && g.gens.includes(1); }}", timeout=180_000)
+    _advances(frame, 10, 120)
+    expect(mine.locator(".nbtrain-header")).to_contain_text("restarts 1", timeout=30_000)
+
+    # another user: the same page without the ticket is live and read-only
+    guest.goto(url.split("&ticket=")[0])
+    expect(guest.locator(".nbtrain-state")).to_have_text("RUNNING", timeout=60_000)
+    _advances(guest.main_frame, 10, 120)
+    assert guest.get_by_role("button", name="Preempt").count() == 0
+    expect(guest.get_by_text("read-only", exact=False)).to_be_visible(timeout=30_000)
+
+    # the owner's Preempt on the page preempts the job; Resume brings it back
+    mine.get_by_role("button", name="Preempt").click()
+    _wait_text(state, "PREEMPTED", 120)
+    expect(guest.locator(".nbtrain-state")).to_have_text("PREEMPTED", timeout=60_000)
+    held = _step(frame)
+    owner.wait_for_timeout(500)
+    mine.get_by_role("button", name="Resume").click()
+    _wait_text(state, "RUNNING", 180)
+    frame.wait_for_function(f"() => ({LAST_STEP_JS})() > {held + 20}", timeout=120_000)
+    seen = frame.evaluate(GENERATIONS_JS)
+    assert {0, 1, 2} <= set(seen["gens"]) and seen["joined"] == 0, seen
+    assert seen["marks"] == ["restart", "resume"], seen
+    owner.wait_for_timeout(1500)  # a few more refreshes, for the picture
+    job_view = nb_cells.nth(1).locator("iframe")
+    job_view.screenshot(path=str(ARTIFACTS / "job-page.png"))
+    if os.environ.get("NBTRAIN_README_SCREENSHOT"):
+        README_SHOT.parent.mkdir(exist_ok=True)
+        job_view.screenshot(path=str(README_SHOT))
+
+    # restart the kernel mid-run (it was blocked in job.wait()): the pages keep updating
+    # (as the Kernel menu's Restart does once confirmed; not awaited)
+    owner.evaluate("() => { window.jupyterapp.shell.currentWidget.sessionContext.session"
+                   ".kernel.restart(); }")
+    _advances(guest.main_frame, 20, 120)
+    # idle can only be the new kernel: the old one was blocked in job.wait() until killed
+    owner.wait_for_function(KERNEL_IDLE_JS, timeout=120_000)
+    owner.evaluate(RUN_CELL_JS, 3)  # a new kernel reattaches by name
+    output(3, "reattached RUNNING", 120)
+
+    # the class view lists the job, held on both slots
+    base = url.split("/individual-nbtrain-job")[0]
+    guest.goto(f"{base}/individual-nbtrain-cluster")
+    expect(guest.get_by_text("browser").first).to_be_visible(timeout=60_000)
+    expect(guest.get_by_text("preempted by its owner", exact=False).first).to_be_visible(
+        timeout=30_000)
+    guest.screenshot(path=str(ARTIFACTS / "class-view.png"))
+
+    owner.evaluate(RUN_CELL_JS, 4)
+    output(4, "closed CANCELLED", 180)
+    guest.goto(url.split("&ticket=")[0])
+    expect(guest.locator(".nbtrain-state")).to_have_text("CANCELLED", timeout=60_000)
+
+
 def _wait_text(locator: Any, text: str, timeout_s: float) -> None:
     from playwright.sync_api import expect
 
     expect(locator).to_have_text(text, timeout=timeout_s * 1000)
-
-
-def _drive(page: Any, lab: dict[str, Any]) -> None:
-    from playwright.sync_api import expect
-
-    page.goto(f"{lab['url']}/lab/tree/dashboard.ipynb?token={lab['token']}")
-    page.wait_for_function(KERNEL_IDLE_JS, timeout=90_000)
-    cells = page.locator(".jp-Notebook .jp-Cell")
-
-    def run(i: int) -> None:
-        page.evaluate(RUN_CELL_JS, i)
-
-    def output(i: int, text: str, timeout_s: float) -> None:
-        cells.nth(i).locator(".jp-OutputArea-output", has_text=text).wait_for(
-            timeout=timeout_s * 1000)
-
-    kernel_side: list[float] = []
-
-    def timed_second_cell() -> float:
-        """Seconds from asking JupyterLab to run the cell to seeing its output; notes when
-        the kernel ran it (same machine, same wall clock)."""
-        page.evaluate("() => { const w = window.jupyterapp.shell.currentWidget;"
-                      " w.content.widgets[2].model.outputs.clear(); }")
-        started = time.time()
-        run(2)
-        output(2, "second cell ran at step", 60)
-        seen = time.time()
-        text = cells.nth(2).locator(".jp-OutputArea-output").inner_text()
-        kernel_side.append(float(text.split(" at ")[-1]) - started)
-        return seen - started
-
-    run(0)
-    output(0, "cluster ready", 180)
-    baseline = timed_second_cell()  # the same cell with nothing training, for comparison
-
-    run(1)
-    dash = page.locator(".nbtrain-dashboard")
-    dash.wait_for(timeout=120_000)
-    canvas = dash.locator("canvas").first  # Bokeh draws in a shadow root; Playwright pierces
-    canvas.wait_for(timeout=60_000)
-    box = canvas.bounding_box()
-    assert box is not None and box["width"] > 100 and box["height"] > 100
-    assert "javascript error" not in dash.inner_text().lower()
-    state = dash.locator(".nbtrain-state")
-    _wait_text(state, "RUNNING", 120)
-
-    # the step-time plot's data in the browser advances while training runs
-    page.wait_for_function(f"() => ({LAST_STEP_JS})() > 0", timeout=60_000)
-    first = page.evaluate(LAST_STEP_JS)
-    page.wait_for_function(f"() => ({LAST_STEP_JS})() > {first + 20}", timeout=60_000)
-
-    # a second cell runs at once although the job trains and the dashboard refreshes
-    runs = [timed_second_cell() for _ in range(3)]
-    latency = statistics.median(runs)
-    print(f"second cell latency in the browser while training: median {latency:.3f} s of "
-          f"{', '.join(f'{r:.3f}' for r in runs)} (the kernel started it after "
-          f"{', '.join(f'{k:.3f}' for k in kernel_side[1:])} s); {baseline:.3f} s before "
-          f"the job")
-    (ARTIFACTS / "browser-latency.json").write_text(json.dumps(
-        {"second_cell_s": runs, "kernel_started_after_s": kernel_side[1:],
-         "idle_baseline_s": baseline}))
-    # The issue asks for under a second; the margin absorbs a loaded 2-core CI machine.
-    assert latency < 5.0, f"a cell took {latency:.2f} s (median of 3) to run while training"
-
-    dash.screenshot(path=str(ARTIFACTS / "dashboard-running.png"))
-
-    # Preempt: checkpoint, release the slots; the header says PREEMPTED, Resume is enabled
-    dash.locator("button.nbtrain-preempt").click()
-    _wait_text(state, "PREEMPTED", 120)
-    resume = dash.locator("button.nbtrain-resume")
-    page.wait_for_function("(el) => !el.disabled", arg=resume.element_handle(), timeout=30_000)
-    held = page.evaluate(LAST_STEP_JS)
-    dash.screenshot(path=str(ARTIFACTS / "dashboard-preempted.png"))
-
-    # Resume: back to RUNNING from the checkpoint, and the plot moves on past where it was
-    resume.click()
-    _wait_text(state, "RUNNING", 180)
-    page.wait_for_function(f"() => ({LAST_STEP_JS})() > {held + 20}", timeout=120_000)
-    expect(dash.locator(".nbtrain-header")).to_contain_text("generation 1")
-    page.wait_for_timeout(2000)  # a few more refreshes, for the picture
-    dash.screenshot(path=str(ARTIFACTS / "dashboard-resumed.png"))
-    if os.environ.get("NBTRAIN_README_SCREENSHOT"):
-        README_SHOT.parent.mkdir(exist_ok=True)
-        dash.screenshot(path=str(README_SHOT))
-
-    # the cluster view: both slots drawn, held by the job
-    run(3)
-    view = page.locator(".nbtrain-cluster")
-    view.locator("canvas").first.wait_for(timeout=60_000)
-    expect(view.locator(".nbtrain-jobs")).to_contain_text("browser")
-    expect(view).to_contain_text("0 free")
-    view.screenshot(path=str(ARTIFACTS / "cluster-view.png"))
-
-    run(4)
-    output(4, "closed CANCELLED", 180)
-    _wait_text(state, "CANCELLED", 30)

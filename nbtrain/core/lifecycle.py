@@ -967,6 +967,9 @@ class JobMachine:
             self._start(job, pending.placement)
             return
         if pre.cause == "user":
+            self._publish_cluster({"kind": "preemption", "job": job.id,
+                                   "reason": f"{job.name} preempted by its owner at step "
+                                             f"{step}"})
             job.ledger.enter("queued", self.now)
             self._set_state(job, JobState.PREEMPTED, f"checkpointed at step {step} and released "
                                                      "its slots; resume() to continue")

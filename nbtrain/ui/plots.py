@@ -137,6 +137,7 @@ class StepTimePlot:
             self.figure.add_layout(ColorBar(color_mapper=self.mapper, width=8,
                                             title="ms"), "right")
             self.figure.add_tools(HoverTool(tooltips=tips))
+            self.figure.x_range.renderers = [self._heat_renderer]
             self._recent: deque[float] = deque(maxlen=max(1000, 50 * world_size))
         else:
             for rank in range(world_size):
@@ -158,6 +159,8 @@ class StepTimePlot:
             self._renderers[rank] = self.figure.line(
                 x="step", y=f"{self.phase}_ms", source=src, color=rank_colour(rank),
                 line_width=1.5, legend_label=f"rank {rank}", name=f"rank {rank}")
+            # the x axis spans the recent steps only (not the generation marks of old ones)
+            self.figure.x_range.renderers = list(self._renderers.values())
             hover = [t for t in self.figure.tools if isinstance(t, HoverTool)]
             if hover and isinstance(hover[0].renderers, list):
                 hover[0].renderers = [*hover[0].renderers, self._renderers[rank]]
