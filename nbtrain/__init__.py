@@ -60,6 +60,13 @@ __all__ = [
 __version__ = "0.1.0"
 
 
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext nbtrain``: the ``%nbtrain`` line magic (see :mod:`nbtrain.magics`)."""
+    from nbtrain.magics import load_ipython_extension as load
+
+    load(ipython)
+
+
 def __getattr__(name: str) -> Any:
     where = _WHERE.get(name)
     if where is None:
