@@ -74,14 +74,14 @@ LAST_STEP_JS = """() => {
   return null;
 }"""
 
-#: The generations on rank 0's step-time line and whether a NaN breaks the line between any
-#: two of them (what the page draws, read from the data the browser holds).
-GENERATIONS_JS = """() => {
+#: The generations on a line's data (``[source name, y column]``) and how many times a line
+#: joins two of them without a NaN between (what the page draws, read from the browser).
+GENERATIONS_JS = """([name, y]) => {
   for (const view of Bokeh.index) {
     const doc = view.model.document;
-    const src = doc && doc.get_model_by_name('steptime-r0');
+    const src = doc && doc.get_model_by_name(name);
     if (!src) continue;
-    const g = src.data.generation, v = src.data.step_ms;
+    const g = src.data.generation, v = src.data[y];
     let joined = 0;
     for (let i = 1; i < g.length; i++)
       if (g[i] !== g[i - 1] && !Number.isNaN(v[i]) && !Number.isNaN(v[i - 1])) joined++;
@@ -91,6 +91,7 @@ GENERATIONS_JS = """() => {
   }
   return null;
 }"""
+STEP_LINE, LOSS_LINE = ["steptime-r0", "step_ms"], ["metric-loss", "value"]
 
 KERNEL_IDLE_JS = """() => {
   const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
@@ -259,8 +260,8 @@ def _drive(owner: Any, guest: Any, lab: dict[str, Any]) -> None:
           f"waited ({rate:.1f} steps/s)")
 
     # the injected kill at step 120: the page shows the recovery with its cause
-    frame.wait_for_function(f"() => {{ const g = ({GENERATIONS_JS})(); "
-                            f"return g && g.gens.includes(1); }}", timeout=180_000)
+    frame.wait_for_function(f"() => {{ const g = ({GENERATIONS_JS})({json.dumps(LOSS_LINE)});"
+                            f" return g && g.gens.includes(1); }}", timeout=180_000)
     _advances(frame, 10, 120)
     expect(mine.locator(".nbtrain-header")).to_contain_text("restarts 1", timeout=30_000)
 
@@ -280,9 +281,11 @@ def _drive(owner: Any, guest: Any, lab: dict[str, Any]) -> None:
     mine.get_by_role("button", name="Resume").click()
     _wait_text(state, "RUNNING", 180)
     frame.wait_for_function(f"() => ({LAST_STEP_JS})() > {held + 20}", timeout=120_000)
-    seen = frame.evaluate(GENERATIONS_JS)
-    assert {0, 1, 2} <= set(seen["gens"]) and seen["joined"] == 0, seen
-    assert seen["marks"] == ["restart", "resume"], seen
+    # loss covers the whole run; step times the recent steps (generation 0 may have gone)
+    loss, steps = (frame.evaluate(GENERATIONS_JS, line) for line in (LOSS_LINE, STEP_LINE))
+    assert set(loss["gens"]) == {0, 1, 2} and loss["joined"] == 0, loss
+    assert 2 in steps["gens"] and steps["joined"] == 0, steps
+    assert loss["marks"] == ["restart", "resume"], loss
     owner.wait_for_timeout(1500)  # a few more refreshes, for the picture
     job_view = nb_cells.nth(1).locator("iframe")
     job_view.screenshot(path=str(ARTIFACTS / "job-page.png"))

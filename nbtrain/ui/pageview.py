@@ -17,7 +17,7 @@ class PageView:
     """A served page: ``url``, and ``controls`` (whether it can steer the job)."""
 
     def __init__(self, url: str, title: str, *, controls: bool = False,
-                 height: int = 980) -> None:
+                 height: int = 800) -> None:
         self.url = url
         self.title = title
         self.controls = controls
