@@ -18,6 +18,7 @@ from nbtrain.core.straggler import (
     StragglerSettings,
     Verdict,
     leave_one_out_median,
+    ratio_text,
     residual_comm,
 )
 
@@ -33,10 +34,12 @@ def ddp_frames(
     spike_prob: float = 0.0,
     noise: float = 0.05,
     warm: tuple[int, float, int] | None = None,
+    compute_factor: np.ndarray | None = None,
 ) -> list[StepFrame]:
     """Frames of a synchronous job: ranks' own phases vary, the all-reduce couples them.
 
-    ``slow`` = (rank, phase, factor, onset, end); ``warm`` = (rank, factor, until_step).
+    ``slow`` = (rank, phase, factor, onset, end); ``warm`` = (rank, factor, until_step);
+    ``compute_factor`` (steps x ranks) multiplies each rank's compute time step by step.
     Each rank is ready after its previous optimizer step, data and compute; the all-reduce
     completes after the last one, so the comm wait absorbs the differences and step times
     are (nearly) equal across ranks, as under DDP.
@@ -54,6 +57,8 @@ def ddp_frames(
             own[slow[1]][slow[0]] *= slow[2]
         if warm is not None and t < warm[2]:
             own[Phase.COMPUTE][warm[0]] *= warm[1]
+        if compute_factor is not None:
+            own[Phase.COMPUTE] = own[Phase.COMPUTE] * compute_factor[t]
         opt_before = own[Phase.OPT] if prev_opt is None else prev_opt
         ready = opt_before + own[Phase.DATA] + own[Phase.COMPUTE]
         done = ready.max() + 0.015 * math.exp(rng.normal(0.0, noise))
@@ -125,9 +130,16 @@ def test_step_times_in_the_synthetic_job_are_equal_across_ranks() -> None:
 # -- the issue's tests -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("factor", [1.3, 1.5, 2.0])
-@pytest.mark.parametrize("phase", [Phase.COMPUTE, Phase.DATA])
-def test_persistent_slowdown_of_one_rank_among_8_is_flagged(factor: float, phase: Phase) -> None:
+# A slowdown is confirmed when it costs the job at least confirm_share (10%) of a step. The
+# synthetic step is ~100 ms: compute is 60 ms, so 1.3x compute costs ~15%; data is 15 ms,
+# so 1.3x and 1.5x data cost ~4% and ~7% (suspect only: flagged, not worth acting on) and
+# 2x data ~13%.
+@pytest.mark.parametrize(("phase", "factor", "confirms"), [
+    (Phase.COMPUTE, 1.3, True), (Phase.COMPUTE, 1.5, True), (Phase.COMPUTE, 2.0, True),
+    (Phase.DATA, 1.3, False), (Phase.DATA, 1.5, False), (Phase.DATA, 2.0, True),
+])
+def test_persistent_slowdown_of_one_rank_among_8_is_flagged(
+        phase: Phase, factor: float, confirms: bool) -> None:
     onset, end = 100, 300
     det = StragglerDetector(8)
     events = run(det, ddp_frames(8, 340, seed=int(factor * 10), slow=(5, phase, factor,
@@ -135,11 +147,19 @@ def test_persistent_slowdown_of_one_rank_among_8_is_flagged(factor: float, phase
     flagged = {(e.rank, e.phase) for e in events}
     assert flagged == {(5, phase)}, [e.summary() for e in events]
     kinds = [e.state for e in events]
+    if not confirms:
+        assert kinds == [Verdict.SUSPECT, Verdict.CLEARED]
+        assert events[0].step_share < det.settings.confirm_share
+        return
     assert kinds == [Verdict.SUSPECT, Verdict.CONFIRMED, Verdict.CLEARED]
     suspect, confirmed, cleared = events
     assert onset <= suspect.step <= onset + 30
     assert onset <= suspect.since_step <= suspect.step
-    assert confirmed.step - suspect.step > det.settings.confirm_steps - 1
+    # confirmed once most of the evidence window lies in the slowdown
+    s = det.settings
+    assert onset + s.confirm_votes - 1 <= confirmed.step <= onset + s.confirm_steps + s.window
+    assert confirmed.step_share >= s.confirm_share
+    assert confirmed.excess_s >= s.confirm_z * confirmed.noise_s > 0
     assert cleared.step >= end
     assert suspect.ratio > 1.15
     assert suspect.hint == HINTS[phase]
@@ -214,6 +234,103 @@ def test_tiny_phases_are_not_blamed() -> None:
 
 def test_single_rank_has_no_peers_and_no_verdicts() -> None:
     assert run(StragglerDetector(1), ddp_frames(1, 80)) == []
+
+
+# -- confirmed means sustained, costly and beyond the job's own noise (issue 15) ---------------
+
+
+def test_a_job_whose_ranks_are_slowed_in_turn_needs_a_bigger_slowdown_to_confirm() -> None:
+    # A busy machine: another process slows one rank's compute 1.8x, then the other's, 45 of
+    # every 60 steps. Once the detector has seen a few of these swings they are the job's
+    # noise, and a steady slowdown of the same size is not news; a 4x one is.
+    steps, onset = 1400, 900
+    busy = np.ones((steps, 2))
+    for k, start in enumerate(range(40, steps, 60)):
+        busy[start:start + 45, k % 2] *= 1.8
+
+    def confirmed(base: np.ndarray, factor: float) -> tuple[list[Diagnosis], float]:
+        f = base.copy()
+        f[onset:, 1] *= factor
+        det = StragglerDetector(2)
+        events = run(det, ddp_frames(2, steps, seed=3, compute_factor=f))
+        return [e for e in events if e.state is Verdict.CONFIRMED], det.noise_s()[Phase.COMPUTE]
+
+    quiet_18, quiet_noise = confirmed(np.ones((steps, 2)), 1.8)
+    busy_18, busy_noise = confirmed(busy, 1.8)
+    busy_40, _ = confirmed(busy, 4.0)
+    assert [(e.rank, e.phase) for e in quiet_18] == [(1, Phase.COMPUTE)]
+    assert onset < quiet_18[0].step <= onset + 50
+    assert busy_noise > 10 * quiet_noise
+    # the swings after the first few are not confirmed; the first ones (no history) may be
+    assert [e.step for e in busy_18 if 300 <= e.step < onset] == []
+    assert [e for e in busy_18 if onset <= e.step <= onset + 100] == []
+    late = [e for e in busy_40 if onset <= e.step <= onset + 100]
+    assert [(e.rank, e.phase) for e in late] == [(1, Phase.COMPUTE)]
+    assert late[0].excess_s >= late[0].noise_s * StragglerSettings().confirm_z
+
+
+def test_a_slowdown_that_comes_and_goes_is_suspect_but_never_confirmed() -> None:
+    f = np.ones((600, 4))
+    for start in range(100, 600, 24):
+        f[start:start + 12, 2] = 2.5  # slow for 12 steps, fine for 12: half the time
+    events = run(StragglerDetector(4), ddp_frames(4, 600, compute_factor=f))
+    assert {(e.rank, e.phase) for e in events} == {(2, Phase.COMPUTE)}
+    assert Verdict.SUSPECT in {e.state for e in events}
+    assert Verdict.CONFIRMED not in {e.state for e in events}
+
+
+def test_a_fast_job_confirms_only_a_slowdown_that_lasts_confirm_s() -> None:
+    # 3 ms steps: 32 steps pass in a tenth of a second, which costs the job nothing worth
+    # acting on; a slowdown is confirmed once it has lasted confirm_s (1 s) of training.
+    def frames(end: int) -> list[StepFrame]:
+        out = ddp_frames(4, 1000, slow=(1, Phase.COMPUTE, 2.0, 100, end))
+        return [StepFrame(step=f.step, step_s=f.step_s * 0.03, phases=f.phases * 0.03)
+                for f in out]
+
+    short = run(StragglerDetector(4), frames(250))  # 150 steps of ~4 ms: 0.6 s
+    assert [e.state for e in short] == [Verdict.SUSPECT, Verdict.CLEARED]
+    long = run(StragglerDetector(4), frames(1000))
+    assert [e.state for e in long] == [Verdict.SUSPECT, Verdict.CONFIRMED]
+    slowed_s = sum(float(np.median(f.step_s)) for f in frames(1000)[100:long[1].step + 1])
+    assert slowed_s >= StragglerSettings().confirm_s
+
+
+def test_a_steady_straggler_from_the_start_does_not_raise_the_noise() -> None:
+    base = StragglerDetector(2)
+    run(base, ddp_frames(2, 400, seed=5))
+    slow = StragglerDetector(2)
+    events = run(slow, ddp_frames(2, 400, seed=5, slow=(0, Phase.COMPUTE, 1.6, 0, 400)))
+    assert [(e.rank, e.state) for e in events] == [(0, Verdict.SUSPECT), (0, Verdict.CONFIRMED)]
+    noise, clean = slow.noise_s()[Phase.COMPUTE], base.noise_s()[Phase.COMPUTE]
+    assert 0 < noise < 2 * clean
+
+
+def test_peers_spending_no_time_in_a_phase_give_no_infinite_ratio() -> None:
+    frames = ddp_frames(3, 120)
+    for f in frames:  # no residual comm wait at all, except rank 2's own 5 ms from step 40
+        ready = f.phases[0] + f.phases[1] + f.phases[3]
+        f.phases[2] = ready.max() - ready
+        if f.step >= 40:
+            f.phases[2, 2] += 0.005
+    events = run(StragglerDetector(3), frames)
+    assert {(e.rank, e.phase) for e in events} == {(2, Phase.COMM)}
+    d = events[0]
+    assert math.isnan(d.ratio) and d.peer_s < 1e-4
+    assert "peers ~0 ms" in d.summary() and "inf" not in d.summary()
+    event = d.to_event()
+    assert event["ratio"] is None and event["level"] == "warning"
+    json.dumps(event, allow_nan=False)  # strict JSON: no NaN or Infinity anywhere
+    assert ratio_text(float("inf"), 0.0) == "peers ~0 ms"
+    assert ratio_text(2.046, 0.01) == "2.05x its peers"
+
+
+def test_verdicts_carry_their_level() -> None:
+    events = run(StragglerDetector(4), ddp_frames(4, 200, slow=(1, Phase.COMPUTE, 2.0, 40, 150)))
+    assert [(e.state, e.level) for e in events] == [
+        (Verdict.SUSPECT, "warning"), (Verdict.CONFIRMED, "critical"), (Verdict.CLEARED, "info")
+    ]
+    assert "x the job's noise" in events[1].summary()
+    assert "noise" not in events[0].summary()  # the early signal is not measured against it
 
 
 # -- feeding, settings, reset ------------------------------------------------------------------

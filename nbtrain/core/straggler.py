@@ -12,14 +12,24 @@ the same phase on the other ranks:
    ready later (they spent longer in optimizer, data and compute) is removed first. The ranks
    waiting for a compute straggler therefore have ordinary residuals and are never blamed;
    only a rank whose own wait stands out after that correction is a comm straggler.
-3. Per (rank, phase) a rolling vote over the last ``window`` steps: *suspect* when at least
-   ``suspect_votes`` of them were slow, *cleared* when the count falls to ``clear_votes`` or
-   fewer, *confirmed* when it stayed suspect for ``confirm_steps`` steps. A transient spike
-   that hits fewer than ``suspect_votes`` of ``window`` steps cannot make a rank suspect,
-   whatever its size: spikes are ignored by construction, not by tuning a magnitude. The gap
-   between the suspect and clear counts is hysteresis, so a rank hovering near the threshold
-   does not flap.
-4. The first ``warmup_steps`` steps after each (re)start are not judged (compilation, cache
+3. Per (rank, phase) a rolling vote over the last ``window`` steps: *suspect* (the early
+   signal) when at least ``suspect_votes`` of them were slow, *cleared* when the count falls
+   to ``clear_votes`` or fewer. A transient spike that hits fewer than ``suspect_votes`` of
+   ``window`` steps cannot make a rank suspect, whatever its size: spikes are ignored by
+   construction, not by tuning a magnitude. The gap between the suspect and clear counts is
+   hysteresis, so a rank hovering near the threshold does not flap.
+4. *Confirmed* (what is worth acting on) asks for a slowdown that is sustained and costs the
+   job, measured against the job's own noise rather than a fixed ratio: over the last
+   ``confirm_steps`` steps the pair was slow on ``confirm_fraction`` of them and, on that
+   share of them, by at least ``confirm_share`` of a step and ``confirm_z`` times the job's
+   noise, and the slowdown has lasted ``confirm_s`` seconds. The noise is how much a rank's
+   recent excess over its peers wanders in this job when nobody is known to be slow: on a
+   quiet machine it is small and a steady 1.3x is confirmed; on a busy one, where other
+   processes slow one rank and then another for a second or two, it is large, and only a
+   slowdown well beyond those is. Measured live on this project's 2-core machine, the
+   previous rule (suspect for 30 steps) confirmed passing slowdowns there about 27 times
+   per 10k steps of healthy jobs.
+5. The first ``warmup_steps`` steps after each (re)start are not judged (compilation, cache
    warm-up and the first all-reduce make them slow for reasons that pass).
 
 The detector reads no clock and keeps no threads: the same object runs in the engine (fed by
@@ -30,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,8 +86,10 @@ HINTS: dict[Phase, str] = {
 class StragglerSettings:
     """Thresholds of the detector; change them on a running job with ``update_settings``.
 
-    Defaults flag a rank 1.2x slower than its peers in one phase about 6-8 steps after it
-    slows down, and ignore spikes of any size on fewer than 6 of 8 steps.
+    Defaults make a rank *suspect* (the early signal) when one phase is 1.2x its peers on 6
+    of 8 steps, and *confirm* it when, on 3 in 4 of the last 32 steps, it was slower than
+    its peers by at least 10% of a step and 3x the job's own noise in that phase, for at
+    least a second of training. Spikes of any size on fewer than 6 of 8 steps are ignored.
     """
 
     ratio: float = 1.2
@@ -87,10 +100,32 @@ class StragglerSettings:
     suspect_votes: int = 6
     """Slow steps among the last ``window`` that make a (rank, phase) suspect."""
     clear_votes: int = 2
-    """A suspect is cleared when its slow steps in the window fall to this many or fewer."""
-    confirm_steps: int = 30
-    """Steps a pair must stay suspect to be confirmed (the verdict mitigation acts on). Should
-    cover a few times the longest pause you consider normal (a checkpoint, an evaluation)."""
+    """A suspect or confirmed pair is cleared when its slow steps in the window fall to this
+    many or fewer."""
+    confirm_steps: int = 32
+    """Steps of evidence a confirmed verdict (the one mitigation acts on) rests on: the last
+    ``confirm_steps`` steps. Longer is steadier and later; it should cover a few times the
+    longest pause you consider normal (a checkpoint, an evaluation)."""
+    confirm_fraction: float = 0.75
+    """A suspect is confirmed only when it was slow on at least this share of the last
+    ``confirm_steps`` steps: a sustained slowdown, not one that comes and goes."""
+    confirm_share: float = 0.10
+    """...and when, on that share of those steps, its excess over the peers is at least this
+    share of the median step time: the job would run that much faster without the slow rank.
+    Lower it to confirm stragglers that cost the job less."""
+    confirm_z: float = 3.0
+    """...and at least this many times the job's own noise in the phase: how much a rank's
+    recent excess over its peers (its median over the vote window) wanders in this job, as
+    1.4826 x its MAD over the ``noise_steps`` steps before the evidence. A job whose ranks
+    are slowed in turn by other processes (a busy machine, a shared host) needs a larger
+    slowdown to be confirmed than a quiet one."""
+    confirm_s: float = 1.0
+    """...and only once its slowdown has lasted this many seconds of training (step times
+    summed since it began): with fast steps, tens of steps pass in a fraction of a second,
+    and a slowdown that short costs the job less than the attention it asks for."""
+    noise_steps: int = 256
+    """Steps over which the job's noise per phase is measured (the most recent ones before
+    the confirmation evidence)."""
     warmup_steps: int = 20
     """Steps after each (re)start that are not judged."""
     min_excess_s: float = 1e-3
@@ -123,6 +158,19 @@ class StragglerSettings:
             )
         if not (isinstance(self.confirm_steps, int) and self.confirm_steps >= 1):
             problems.append(f"confirm_steps must be an integer >= 1, got {self.confirm_steps!r}")
+        if not 0.0 < self.confirm_fraction <= 1.0:
+            problems.append(
+                f"confirm_fraction must be in (0, 1], got {self.confirm_fraction!r} "
+                "(e.g. 0.75: slow on 3 of 4 recent steps)"
+            )
+        if not 0.0 <= self.confirm_share < 1.0:
+            problems.append(f"confirm_share must be in [0, 1), got {self.confirm_share!r}")
+        if not self.confirm_z >= 0.0:
+            problems.append(f"confirm_z must be >= 0, got {self.confirm_z!r}")
+        if not self.confirm_s >= 0.0:
+            problems.append(f"confirm_s must be >= 0 seconds, got {self.confirm_s!r}")
+        if not (isinstance(self.noise_steps, int) and self.noise_steps >= 2):
+            problems.append(f"noise_steps must be an integer >= 2, got {self.noise_steps!r}")
         if not (isinstance(self.warmup_steps, int) and self.warmup_steps >= 0):
             problems.append(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
         if not self.min_excess_s >= 0.0:
@@ -145,16 +193,37 @@ class StragglerSettings:
         if problems:
             raise ValueError("invalid StragglerSettings: " + "; ".join(problems))
 
+    @property
+    def confirm_votes(self) -> int:
+        """Slow steps among the last ``confirm_steps`` that a confirmation needs."""
+        return max(1, math.ceil(self.confirm_fraction * self.confirm_steps - 1e-9))
+
+
+_LEVELS = {"suspect": "warning", "confirmed": "critical", "cleared": "info"}
+_NEAR_ZERO_S = 5e-5  # peers' phase time below this: a ratio to it says nothing
+
+
+def ratio_text(ratio: float | None, peer_s: float | None) -> str:
+    """How a rank compares with its peers, for people: "2.05x its peers", or, when the peers
+    spend (about) no time in the phase and a ratio would be huge or infinite, "peers ~0 ms"."""
+    peers_idle = peer_s is not None and math.isfinite(peer_s) and peer_s < _NEAR_ZERO_S
+    if ratio is None or not math.isfinite(ratio) or peers_idle:
+        return "peers ~0 ms"
+    return f"{ratio:.2f}x its peers"
+
 
 @dataclass(frozen=True, kw_only=True)
 class Diagnosis:
     """Which rank is slow, in which phase, by how much, since when, and a likely cause.
 
-    ``ratio`` and ``excess_s`` are medians over the vote window, so one spike does not
-    distort them. ``step_share`` (excess over the median step time) is about how much the
-    whole job slows down because of this rank. For ``comm`` they describe the residual wait
-    (the wait not explained by later peers), not the raw one. ``nvml`` is attached by the
-    engine on GPUs (clocks, temperature, power); the detector never fills it.
+    ``ratio``, ``excess_s`` and ``peer_s`` are medians over the evidence (the vote window for
+    suspect and cleared verdicts, the last ``confirm_steps`` steps for confirmed ones), so one
+    spike does not distort them; ``ratio`` is NaN when the peers spend about no time in the
+    phase. ``step_share`` (excess over the median step time) is about how much the whole job
+    slows down because of this rank; ``noise_s`` is the job's own step-to-step noise in the
+    phase that a confirmation is measured against. For ``comm`` they describe the residual
+    wait (the wait not explained by later peers), not the raw one. ``nvml`` is attached by
+    the engine on GPUs (clocks, temperature, power); the detector never fills it.
     """
 
     rank: int
@@ -168,7 +237,15 @@ class Diagnosis:
     slow_steps: int
     window: int
     hint: str
+    peer_s: float = float("nan")
+    noise_s: float = float("nan")
     nvml: Mapping[str, float] | None = field(default=None, compare=False)
+
+    @property
+    def level(self) -> str:
+        """How loudly to tell: "critical" (confirmed: worth acting on), "warning" (suspect:
+        the early signal, shown on demand) or "info" (cleared)."""
+        return _LEVELS[self.state.value]
 
     def with_nvml(self, readings: Mapping[str, float], hint: str | None = None) -> Diagnosis:
         """A copy with device readings attached (on GPUs), and the hint they point to."""
@@ -176,36 +253,55 @@ class Diagnosis:
 
     def summary(self) -> str:
         """One line for an alert list or a log."""
+        compared = ratio_text(self.ratio, self.peer_s)
         if self.state is Verdict.CLEARED:
+            now = "" if compared.startswith("peers") else f"; now {compared}"
             return (
                 f"rank {self.rank} {self.phase.value}: cleared at step {self.step} "
-                f"(was slow since step {self.since_step}; now {self.ratio:.2f}x its peers)"
+                f"(was slow since step {self.since_step}{now})"
             )
+        noise = (
+            f", {self.excess_s / self.noise_s:.1f}x the job's noise"
+            if self.state is Verdict.CONFIRMED and self.noise_s > 0 else ""
+        )
         return (
-            f"rank {self.rank} {self.phase.value} {self.state.value}: {self.ratio:.2f}x its "
-            f"peers (+{self.excess_s * 1e3:.1f} ms/step, {self.step_share:.0%} of a step) "
-            f"since step {self.since_step}; {self.slow_steps}/{self.window} recent steps slow. "
-            f"Likely {self.hint}"
+            f"rank {self.rank} {self.phase.value} {self.state.value}: {compared} "
+            f"(+{self.excess_s * 1e3:.1f} ms/step, {_finite(self.step_share):.0%} of a step"
+            f"{noise}) since step {self.since_step}; {self.slow_steps}/{self.window} recent "
+            f"steps slow. Likely {self.hint}"
         )
 
     def to_event(self) -> dict[str, Any]:
-        """A plain dict for the event plane and the notebook (JSON-friendly)."""
+        """A plain dict for the event plane and the notebook (JSON-friendly: no NaN or
+        infinity; a ratio that says nothing is None)."""
         return {
             "topic": "straggler",
             "rank": self.rank,
             "phase": self.phase.value,
             "state": self.state.value,
+            "level": self.level,
             "step": self.step,
             "since_step": self.since_step,
-            "ratio": self.ratio,
-            "excess_s": self.excess_s,
-            "step_share": self.step_share,
+            "ratio": _json_float(self.ratio) if "x" in ratio_text(self.ratio, self.peer_s)
+            else None,
+            "excess_s": _json_float(self.excess_s),
+            "peer_s": _json_float(self.peer_s),
+            "noise_s": _json_float(self.noise_s),
+            "step_share": _json_float(self.step_share),
             "slow_steps": self.slow_steps,
             "window": self.window,
             "hint": self.hint,
             "nvml": dict(self.nvml) if self.nvml is not None else None,
             "summary": self.summary(),
         }
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else 0.0
+
+
+def _json_float(x: float) -> float | None:
+    return float(x) if math.isfinite(x) else None
 
 
 def leave_one_out_median(values: FloatArray) -> FloatArray:
@@ -258,6 +354,10 @@ class StragglerDetector:
     :meth:`reset` when a new generation starts (ranks may have moved or changed in number).
     """
 
+    _levels: FloatArray  # (noise_steps + confirm_steps, phases, ranks), see _init_state
+    _level_pos: int
+    _noise_cache: tuple[int, FloatArray] | None  # (judged steps when computed, noise)
+
     def __init__(
         self, world_size: int, settings: StragglerSettings | None = None, *, start_step: int = 0
     ) -> None:
@@ -281,17 +381,27 @@ class StragglerDetector:
         """The last step judged or skipped as warm-up, None before the first."""
         return self._last_step
 
+    def noise_s(self) -> dict[Phase, float]:
+        """The job's current noise per phase (seconds; 0 until measured): what ``confirm_z``
+        multiplies."""
+        sigma = self._noise()
+        return {p: float(sigma[i]) for i, p in enumerate(PHASES)}
+
     def update_settings(self, **changes: Any) -> list[Diagnosis]:
         """Change thresholds while the job runs; returns verdicts cleared by the change.
 
-        The vote history is kept: a longer window starts with the steps already seen, a
-        shorter one keeps the most recent. Phases no longer judged are cleared.
+        The vote and noise history is kept: longer windows start with the steps already
+        seen, shorter ones keep the most recent. Phases no longer judged are cleared.
         """
         new = dataclasses.replace(self._settings, **changes)
         old = self._settings
         self._settings = new
-        if new.window != old.window:
-            self._resize_window(new.window)
+        if _ring_len(new) != _ring_len(old):
+            self._resize_rings(_ring_len(new))
+        if _noise_len(new) != _noise_len(old):
+            self._levels, self._level_pos = _regrow(
+                self._levels, self._level_pos, _noise_len(new), np.nan)
+        self._noise_cache = None
         dropped = [i for i, p in enumerate(PHASES) if p not in new.phases]
         events: list[Diagnosis] = []
         for pi in dropped:
@@ -300,8 +410,8 @@ class StragglerDetector:
                     events.append(self._diagnose(pi, int(rank), Verdict.CLEARED, self._last_step))
             self._state[pi] = 0
             self._votes[:, pi] = False
-            self._count[pi] = 0
             self._run_start[pi] = -1
+            self._run_s[pi] = 0.0
         return events
 
     def reset(self, world_size: int, *, start_step: int = 0) -> list[Diagnosis]:
@@ -374,11 +484,17 @@ class StragglerDetector:
         return out
 
     # -- internals ---------------------------------------------------------------------------
+    #
+    # Per step and (phase, rank) the rings hold the slow vote, the excess over the peers and
+    # the peers' median, with each step's median time, for the last max(window,
+    # confirm_steps) steps; ``_pos`` is where the next step goes. The level ring holds, per
+    # step and (phase, rank), the median excess over the vote window: how much slower than
+    # its peers the rank was lately. How much that level wanders in a job is the job's noise.
 
     def _init_state(self, world_size: int, start_step: int) -> None:
         if not (isinstance(world_size, int) and world_size >= 1):
             raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-        n, p, w = world_size, len(PHASES), self._settings.window
+        n, p, r = world_size, len(PHASES), _ring_len(self._settings)
         self._n = n
         self._start_step = start_step
         self._last_step: int | None = None
@@ -386,41 +502,61 @@ class StragglerDetector:
         self._pending: dict[int, dict[int, StepRecord]] = {}
         self._prev_opt: FloatArray | None = None
         self._pos = 0
-        self._votes: BoolArray = np.zeros((w, p, n), dtype=bool)
-        self._ratios: FloatArray = np.full((w, p, n), np.nan)
-        self._excess: FloatArray = np.full((w, p, n), np.nan)
-        self._count: IntArray = np.zeros((p, n), dtype=np.int64)
+        self._votes: BoolArray = np.zeros((r, p, n), dtype=bool)
+        self._excess: FloatArray = np.full((r, p, n), np.nan)
+        self._reference: FloatArray = np.full((r, p, n), np.nan)
+        self._steps_s: FloatArray = np.full(r, np.nan)  # median step time of each step
         self._state: npt.NDArray[np.int8] = np.zeros((p, n), dtype=np.int8)
-        self._age: IntArray = np.zeros((p, n), dtype=np.int64)
         self._run_start: IntArray = np.full((p, n), -1, dtype=np.int64)
+        self._run_s: FloatArray = np.zeros((p, n))  # training seconds since the run began
         self._since: IntArray = np.full((p, n), -1, dtype=np.int64)
-        self._step_ring: FloatArray = np.full(w, np.nan)  # median step time of recent steps
+        self._levels = np.full((_noise_len(self._settings), p, n), np.nan)
+        self._level_pos = 0
+        self._noise_cache = None
         self._median_step_s = 0.0
 
-    def _resize_window(self, w: int) -> None:
-        def chrono(ring: npt.NDArray[Any]) -> npt.NDArray[Any]:
-            return np.roll(ring, -self._pos, axis=0)
+    def _resize_rings(self, r: int) -> None:
+        pos = self._pos
+        self._votes, _ = _regrow(self._votes, pos, r, False)
+        self._excess, _ = _regrow(self._excess, pos, r, np.nan)
+        self._reference, _ = _regrow(self._reference, pos, r, np.nan)
+        self._steps_s, self._pos = _regrow(self._steps_s, pos, r, np.nan)
 
-        keep = min(w, self._votes.shape[0])
-        rings = (self._votes, self._ratios, self._excess)
-        votes, ratios, excess = (chrono(ring)[-keep:] for ring in rings)
-        p, n = self._count.shape
-        self._votes = np.zeros((w, p, n), dtype=bool)
-        self._ratios = np.full((w, p, n), np.nan)
-        self._excess = np.full((w, p, n), np.nan)
-        self._votes[:keep], self._ratios[:keep], self._excess[:keep] = votes, ratios, excess
-        self._pos = keep % w
-        self._count = self._votes.sum(axis=0).astype(np.int64)
+    def _recent(self, k: int) -> IntArray:
+        """Ring positions of the last ``k`` judged steps (fewer if the ring is shorter)."""
+        r = self._votes.shape[0]
+        positions: IntArray = (self._pos - 1 - np.arange(min(k, r), dtype=np.int64)) % r
+        return positions
+
+    def _noise(self) -> FloatArray:
+        """Per phase, the job's noise: how much a rank's recent excess over its peers wanders
+        from its usual level (1.4826 x the MAD over time of each rank's windowed median
+        excess; the median over ranks). Measured on the ``noise_steps`` steps before the
+        confirmation evidence, so a slowdown now does not raise the bar for itself; on all
+        steps seen while there are fewer than 16 of those (a level that stays put, as a
+        straggler's does from the start, adds no noise either way). Zero until measured."""
+        if self._noise_cache is not None and self._noise_cache[0] == self._judged:
+            return self._noise_cache[1]
+        ring = np.roll(self._levels, -self._level_pos, axis=0)  # oldest first
+        lagged = ring[: ring.shape[0] - self._settings.confirm_steps]
+        enough = np.sum(~np.isnan(lagged[:, 0, 0])) >= _MIN_NOISE_STEPS
+        usable = lagged if enough else ring
+        levels = usable[~np.isnan(usable[:, 0, 0])]
+        sigma: FloatArray = np.zeros(len(PHASES))
+        if levels.shape[0] >= 2:
+            mad = np.median(np.abs(levels - np.median(levels, axis=0)), axis=0)
+            sigma = _MAD_TO_SIGMA * np.median(mad, axis=1)
+        self._noise_cache = (self._judged, sigma)
+        return sigma
 
     def _slow_steps(self, frame: StepFrame) -> tuple[BoolArray, FloatArray, FloatArray]:
-        """Per (phase, rank) of one step: slow or not, ratio and excess over the peers."""
+        """Per (phase, rank) of one step: slow or not, excess over the peers and the peers'
+        median."""
         s = self._settings
         values = frame.phases.copy()
         values[_COMM] = residual_comm(frame.phases, self._prev_opt)
         reference = leave_one_out_median(values)
         excess = values - reference
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = np.where(reference > 0.0, values / reference, np.inf)
         floor = max(s.min_excess_s, s.min_step_share * self._median_step_s)
         slow = (excess >= (s.ratio - 1.0) * np.maximum(reference, 0.0)) & (excess >= floor)
         if self._n >= 3:
@@ -429,43 +565,47 @@ class StragglerDetector:
             slow &= excess >= s.min_z * _MAD_TO_SIGMA * mad
         watched = np.array([[p in s.phases] for p in PHASES])
         slow &= watched
-        return slow, ratio, excess
+        return slow, excess, reference
 
     def _judge(self, frame: StepFrame) -> list[Diagnosis]:
         s = self._settings
         step = frame.step
         self._last_step = step
         self._judged += 1
-        self._step_ring[self._judged % self._step_ring.size] = float(np.median(frame.step_s))
-        self._median_step_s = float(np.nanmedian(self._step_ring))
         judged = self._judged > s.warmup_steps and self._n >= 2
         if judged:
-            slow, ratio, excess = self._slow_steps(frame)  # uses the previous step's opt
+            slow, excess, reference = self._slow_steps(frame)  # uses the previous step's opt
         self._prev_opt = frame.phases[_OPT].copy()
         if not judged:
             return []
 
-        w = self._votes.shape[0]
-        self._count += slow.astype(np.int64) - self._votes[self._pos]
+        r = self._votes.shape[0]
+        step_s = float(np.median(frame.step_s))
         self._votes[self._pos] = slow
-        self._ratios[self._pos] = ratio
         self._excess[self._pos] = excess
-        self._pos = (self._pos + 1) % w
+        self._reference[self._pos] = reference
+        self._steps_s[self._pos] = step_s
+        self._pos = (self._pos + 1) % r
+        recent = self._recent(s.window)
+        self._median_step_s = float(np.nanmedian(self._steps_s[recent]))
+        self._levels[self._level_pos] = np.nanmedian(self._excess[recent], axis=0)
+        self._level_pos = (self._level_pos + 1) % self._levels.shape[0]
+        count = self._votes[recent].sum(axis=0)
 
         starting = slow & (self._run_start < 0)
         self._run_start[starting] = step
-        self._run_start[self._count == 0] = -1
+        self._run_s[starting] = 0.0
+        self._run_start[count == 0] = -1
+        self._run_s[self._run_start >= 0] += step_s
 
         state = self._state
-        cleared = (state > 0) & (self._count <= s.clear_votes)
+        cleared = (state > 0) & (count <= s.clear_votes)
         state[cleared] = 0
-        suspect = (state == 0) & (self._count >= s.suspect_votes)
+        suspect = (state == 0) & (count >= s.suspect_votes)
         state[suspect] = 1
-        self._age[suspect] = 0
         started = self._run_start[suspect]
         self._since[suspect] = np.where(started >= 0, started, step)
-        self._age[state > 0] += 1
-        confirmed = (state == 1) & (self._age > s.confirm_steps)
+        confirmed = self._sustained((state == 1) & (self._run_s >= s.confirm_s))
         state[confirmed] = 2
 
         events: list[Diagnosis] = []
@@ -480,13 +620,38 @@ class StragglerDetector:
         events.sort(key=lambda d: (d.step, d.rank, PHASES.index(d.phase)))
         return events
 
+    def _sustained(self, candidates: BoolArray) -> BoolArray:
+        """Which ``candidates`` (phase, rank) the last ``confirm_steps`` steps confirm: slow
+        on ``confirm_fraction`` of them, and on that share of them by at least
+        ``confirm_share`` of a step and ``confirm_z`` times the job's noise."""
+        s = self._settings
+        evidence = self._recent(s.confirm_steps)
+        if evidence.size < s.confirm_steps or not candidates.any():
+            return np.zeros(self._state.shape, dtype=bool)
+        votes = self._votes[evidence].sum(axis=0)
+        # the excess the rank reached on ``confirm_fraction`` of the steps, not the median:
+        # a slowdown on half of them (a burst, then recovery) does not pass for a steady one
+        steady = np.quantile(self._excess[evidence], 1.0 - s.confirm_fraction, axis=0)
+        step_s = float(np.median(self._steps_s[evidence]))
+        ok: BoolArray = candidates & (votes >= s.confirm_votes) & (
+            steady >= s.confirm_share * step_s)
+        if ok.any():  # the noise only where it decides (it costs a median over time)
+            ok &= steady >= s.confirm_z * self._noise()[:, None]
+        return ok
+
     def _diagnose(self, pi: int, rank: int, verdict: Verdict, step: int) -> Diagnosis:
-        ratios = self._ratios[:, pi, rank]
-        excess = self._excess[:, pi, rank]
-        ratios, excess = ratios[~np.isnan(ratios)], excess[~np.isnan(excess)]
-        ratio = float(np.median(ratios)) if ratios.size else float("nan")
-        excess_s = float(np.median(excess)) if excess.size else float("nan")
-        share = excess_s / self._median_step_s if self._median_step_s > 0 else float("nan")
+        s = self._settings
+        span = s.confirm_steps if verdict is Verdict.CONFIRMED else s.window
+        recent = self._recent(span)
+        excess = self._excess[recent, pi, rank]
+        reference = self._reference[recent, pi, rank]
+        seen = ~np.isnan(excess)
+        excess_s = float(np.median(excess[seen])) if seen.any() else float("nan")
+        peer_s = float(np.median(reference[seen])) if seen.any() else float("nan")
+        ratio = (peer_s + excess_s) / peer_s if peer_s >= _NEAR_ZERO_S else float("nan")
+        step_s = self._steps_s[recent]
+        median_step = float(np.nanmedian(step_s)) if (~np.isnan(step_s)).any() else 0.0
+        share = excess_s / median_step if median_step > 0 else float("nan")
         since = int(self._since[pi, rank])
         phase = PHASES[pi]
         return Diagnosis(
@@ -498,10 +663,33 @@ class StragglerDetector:
             ratio=ratio,
             excess_s=excess_s,
             step_share=share,
-            slow_steps=int(self._count[pi, rank]),
-            window=int(self._votes.shape[0]),
+            slow_steps=int(self._votes[recent, pi, rank].sum()),
+            window=int(recent.size),
             hint=HINTS[phase],
+            peer_s=peer_s,
+            noise_s=float(self._noise()[pi]),
         )
+
+
+_MIN_NOISE_STEPS = 16  # fewer lagged steps than this: measure the noise on all steps seen
+
+
+def _ring_len(s: StragglerSettings) -> int:
+    return max(s.window, s.confirm_steps)
+
+
+def _noise_len(s: StragglerSettings) -> int:
+    return s.noise_steps + s.confirm_steps
+
+
+def _regrow(ring: npt.NDArray[Any], pos: int, length: int, fill: Any) -> tuple[Any, int]:
+    """A ring of ``length`` entries with the most recent ones of ``ring`` (written up to
+    ``pos``), oldest first, and the position of the next write."""
+    chrono = np.roll(ring, -pos, axis=0)
+    keep = min(length, ring.shape[0])
+    out = np.full((length, *ring.shape[1:]), fill, dtype=ring.dtype)
+    out[:keep] = chrono[ring.shape[0] - keep:]
+    return out, keep % length
 
 
 __all__ = [
@@ -511,5 +699,6 @@ __all__ = [
     "StragglerSettings",
     "Verdict",
     "leave_one_out_median",
+    "ratio_text",
     "residual_comm",
 ]
