@@ -90,8 +90,17 @@ def test_settings_are_validated_with_the_values() -> None:
 # -- alert -------------------------------------------------------------------------------------
 
 
-def test_alert_once_per_episode_and_once_more_when_confirmed() -> None:
+def test_by_default_only_confirmed_stragglers_are_alerted() -> None:
     policy = make_policy()
+    assert policy.settings.alert_on is Verdict.CONFIRMED
+    assert policy.decide([verdict(2, Verdict.SUSPECT)], ctx(0.0)) == []  # the early signal
+    assert kinds(policy.decide([verdict(2, Verdict.CONFIRMED)], ctx(1.0))) == [
+        ("alert", 2, "critical")
+    ]
+
+
+def test_alert_once_per_episode_and_once_more_when_confirmed() -> None:
+    policy = make_policy(MitigationSettings(alert_on=Verdict.SUSPECT))
     suspect = [verdict(2, Verdict.SUSPECT)]
     first = policy.decide(suspect, ctx(0.0, step=110))
     assert kinds(first) == [("alert", 2, "warning")]
@@ -105,7 +114,7 @@ def test_alert_once_per_episode_and_once_more_when_confirmed() -> None:
 
 
 def test_a_flapping_rank_is_not_realerted_within_the_cooldown() -> None:
-    policy = make_policy(MitigationSettings(alert_cooldown_s=60))
+    policy = make_policy(MitigationSettings(alert_on=Verdict.SUSPECT, alert_cooldown_s=60))
     alerts = []
     for t in range(0, 300, 2):  # suspect on even, cleared on odd seconds
         alerts += policy.decide([verdict(1, Verdict.SUSPECT)], ctx(float(t)))
@@ -115,7 +124,7 @@ def test_a_flapping_rank_is_not_realerted_within_the_cooldown() -> None:
 
 
 def test_a_muted_episode_still_escalates_once_when_confirmed() -> None:
-    policy = make_policy(MitigationSettings(alert_cooldown_s=60))
+    policy = make_policy(MitigationSettings(alert_on=Verdict.SUSPECT, alert_cooldown_s=60))
     policy.decide([verdict(1, Verdict.SUSPECT)], ctx(0.0))
     policy.decide([], ctx(1.0))
     assert policy.decide([verdict(1, Verdict.SUSPECT)], ctx(2.0)) == []
@@ -144,6 +153,10 @@ def test_alert_policy_never_acts_on_the_job() -> None:
 
 
 def replace_policy(**kw: Any) -> ReplacePolicy:
+    """A replace policy that alerts from suspects on and acts on the first confirmed verdict
+    (``persist_s=0``): these tests are about what a replacement does; the hold on a
+    confirmed verdict has tests of its own below."""
+    kw = {"alert_on": Verdict.SUSPECT, "persist_s": 0.0, **kw}
     policy = make_policy(MitigationSettings(policy="replace", **kw))
     assert isinstance(policy, ReplacePolicy)
     return policy
@@ -210,6 +223,48 @@ def test_cooldown_deferral_is_told_once_per_episode_then_acted_on() -> None:
     assert [(a.kind, a.rank, a.spare) for a in later] == [
         (ActionKind.REPLACE, 3, SlotInfo("w9", "hostD"))
     ]
+
+
+def test_replace_acts_only_on_a_verdict_confirmed_without_a_break_for_persist_s() -> None:
+    policy = make_policy(MitigationSettings(policy="replace"))  # the defaults
+    assert isinstance(policy, ReplacePolicy) and policy.settings.persist_s == 30.0
+    spares = [SlotInfo("w9", "hostC")]
+    confirmed = [verdict(1, Verdict.CONFIRMED)]
+
+    def replacements(t: float, verdicts: list[Diagnosis]) -> list[Action]:
+        actions = policy.decide(verdicts, ctx(t, spares=spares))
+        return [a for a in actions if a.kind is ActionKind.REPLACE]
+
+    assert replacements(0.0, confirmed) == []  # alerted, not acted on
+    assert replacements(29.0, confirmed) == []
+    assert replacements(29.5, [verdict(1, Verdict.SUSPECT)]) == []  # the run breaks...
+    assert replacements(40.0, confirmed) == []  # ...and starts over
+    assert replacements(69.0, confirmed) == []
+    done = replacements(70.0, confirmed)
+    assert [a.rank for a in done] == [1]
+    assert "confirmed for 30 s" in done[0].reason
+
+
+def test_a_replacement_deferred_by_the_cooldown_needs_the_verdict_to_last_through_it() -> None:
+    policy = replace_policy(cooldown_s=100, persist_s=10)
+    spares = [SlotInfo("w8", "hostC"), SlotInfo("w9", "hostD")]
+    first = policy.decide([verdict(0, Verdict.CONFIRMED)], ctx(0.0, spares=spares))
+    assert first == [a for a in first if a.kind is not ActionKind.REPLACE]  # held 0 s < 10 s
+    first = policy.decide([verdict(0, Verdict.CONFIRMED)], ctx(10.0, spares=spares))
+    assert [a.rank for a in first if a.kind is ActionKind.REPLACE] == [0]
+    moved = {0: SlotInfo("w8", "hostC"), **{r: PLACEMENT[r] for r in (1, 2, 3)}}
+    late = [verdict(3, Verdict.CONFIRMED)]
+    policy.decide(late, ctx(40.0, spares=spares[1:], placement=moved))
+    told = policy.decide(late, ctx(50.0, spares=spares[1:], placement=moved))  # held 10 s
+    assert [a.kind for a in told] == [ActionKind.ALERT]
+    assert "only if it stays confirmed" in told[0].reason
+    policy.decide([], ctx(60.0, spares=spares[1:], placement=moved))  # it cleared meanwhile
+    policy.decide(late, ctx(105.0, spares=spares[1:], placement=moved))  # back: a new run
+    at_end = policy.decide(late, ctx(110.0, spares=spares[1:], placement=moved))
+    assert ActionKind.REPLACE not in {a.kind for a in at_end}  # cooldown over, held 5 s
+    later = policy.decide(late, ctx(115.0, spares=spares[1:], placement=moved))
+    assert [(a.kind, a.rank) for a in later] == [(ActionKind.REPLACE, 3)]
+    assert "confirmed for 10 s" in later[0].reason
 
 
 def test_no_spare_outside_the_slow_host_falls_back_to_an_alert_with_the_fix() -> None:

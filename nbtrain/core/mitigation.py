@@ -4,13 +4,16 @@ The detector says who is slow; a policy decides what to do, and the engine does 
 read no clock: the engine passes its own time in ``MitigationContext.now``, so a unit test can
 drive hours of flapping in microseconds and the simulator replays the same decisions.
 
-- ``alert`` (default): one alert per straggler episode and escalation, never an action on
-  the job. A rank that clears and comes back within ``alert_cooldown_s`` is not re-alerted.
+- ``alert`` (default): one alert per confirmed straggler episode (from suspects on with
+  ``alert_on="suspect"``), never an action on the job. A rank that clears and comes back
+  within ``alert_cooldown_s`` is not re-alerted.
 - ``replace``: alerts as above and, for a *confirmed* straggler that costs the job at least
-  ``min_step_share`` of a step, restarts the gang with the slow slot swapped for a spare and
-  the slow host (or slot) excluded for ``exclude_for_s``. At most one restart per
-  ``cooldown_s``, so a flapping rank cannot cause a restart storm; a deferred or impossible
-  replacement is itself an event with its reason.
+  ``min_step_share`` of a step and has stayed confirmed without a break for ``persist_s``,
+  restarts the gang with the slow slot swapped for a spare and the slow host (or slot)
+  excluded for ``exclude_for_s``. At most one restart per ``cooldown_s``, so a flapping rank
+  cannot cause a restart storm; a verdict that came up during the cooldown is acted on after
+  it only if it stayed confirmed throughout. A deferred or impossible replacement is itself
+  an event with its reason.
 
 Every decision is an :class:`Action` with a ``reason`` written for the notebook. New policies
 (``shrink`` will come with elastic resizing) register a factory with :func:`register_policy`.
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from nbtrain.core.records import Phase
-from nbtrain.core.straggler import Diagnosis, Verdict
+from nbtrain.core.straggler import Diagnosis, Verdict, ratio_text
 
 
 class ActionKind(str, enum.Enum):
@@ -113,14 +116,19 @@ class MitigationSettings:
 
     policy: str = "alert"
     """Name of a registered policy: "alert" or "replace" (see ``policy_names()``)."""
-    alert_on: Verdict = Verdict.SUSPECT
-    """Alert from this verdict on: suspect (early) or confirmed (quiet)."""
+    alert_on: Verdict = Verdict.CONFIRMED
+    """Alert from this verdict on: confirmed (default: what is worth acting on) or suspect
+    (the early signal, which on a busy machine also fires for passing slowdowns)."""
     alert_cooldown_s: float = 60.0
     """A (rank, phase) that cleared is not alerted again within this many seconds."""
     cooldown_s: float = 600.0
     """At most one gang restart for stragglers per this many seconds. Should be several times
     the restart cost (restore from checkpoint plus warm-up), or replacing loses more than the
     straggler costs."""
+    persist_s: float = 30.0
+    """Replace only a straggler confirmed without a break for this many seconds (and, when it
+    came up during the cooldown, through to its end). Should be longer than the slowdowns
+    you expect to pass by themselves (another job's burst on a shared host)."""
     exclude: ExcludeScope = ExcludeScope.HOST
     """What a replacement excludes: the slow host, or only the slow slot."""
     exclude_for_s: float = 1800.0
@@ -145,7 +153,7 @@ class MitigationSettings:
             object.__setattr__(self, "exclude", ExcludeScope(self.exclude))
         except ValueError:
             problems.append(f"exclude must be 'host' or 'slot', got {self.exclude!r}")
-        for name in ("alert_cooldown_s", "cooldown_s", "exclude_for_s"):
+        for name in ("alert_cooldown_s", "cooldown_s", "persist_s", "exclude_for_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= 0):
                 problems.append(f"{name} must be a number of seconds >= 0, got {value!r}")
@@ -263,6 +271,7 @@ class ReplacePolicy(AlertPolicy):
         self._last_replace: float | None = None
         self._noted: dict[_Key, str] = {}  # why a confirmed pair was not replaced, told once
         self._pending: dict[int, SlotInfo] = {}  # rank -> slot it is being moved away from
+        self._confirmed_at: dict[_Key, float] = {}  # when each pair's confirmed run began
         self.replacements = 0
 
     def excluded(self, now: float) -> Mapping[str, float]:
@@ -277,6 +286,11 @@ class ReplacePolicy(AlertPolicy):
             key=lambda d: (-_finite(d.step_share), d.rank, d.phase.value),
         )
         live = {(d.rank, d.phase) for d in confirmed}
+        # a confirmed run that breaks (cleared, or back to suspect) starts over
+        self._confirmed_at = {
+            k: since for k, since in self._confirmed_at.items() if k in live}
+        for key in live:
+            self._confirmed_at.setdefault(key, ctx.now)
         # a replacement is carried out once the rank runs somewhere else
         self._pending = {
             r: slot for r, slot in self._pending.items() if ctx.placement.get(r) == slot
@@ -302,6 +316,9 @@ class ReplacePolicy(AlertPolicy):
                     f"min_step_share={s.min_step_share:.0%}); alerting only"
                 ))
                 continue
+            held = ctx.now - self._confirmed_at[key]
+            if held < s.persist_s:
+                continue  # not yet shown to persist: the alert has told the user already
             if where is None:
                 self._note(actions, d, ctx, "unplaced", (
                     f"rank {d.rank} is confirmed slow but the engine gave no slot for it; "
@@ -313,7 +330,8 @@ class ReplacePolicy(AlertPolicy):
                     f"rank {d.rank} on {where.host} ({d.phase.value}) is confirmed slow; the "
                     f"last straggler restart was {ctx.now - last:.0f} s ago, so replacing "
                     f"waits {last + s.cooldown_s - ctx.now:.0f} s more for the cooldown "
-                    f"(cooldown_s={s.cooldown_s:.0f})"
+                    f"(cooldown_s={s.cooldown_s:.0f}), and happens then only if it stays "
+                    "confirmed until then"
                 ))
                 continue
             spare = self._pick_spare(where, ctx, taken)
@@ -342,9 +360,10 @@ class ReplacePolicy(AlertPolicy):
                     kind=ActionKind.REPLACE,
                     level="critical",
                     reason=(
-                        f"replace rank {d.rank}: {d.phase.value} {_finite(d.ratio):.2f}x its "
-                        f"peers since step {d.since_step} ({_finite(d.step_share):.0%} of "
-                        f"each step); moving it from {where.slot} on {where.host} to "
+                        f"replace rank {d.rank}: {d.phase.value} "
+                        f"{ratio_text(d.ratio, d.peer_s)} since step {d.since_step} "
+                        f"({_finite(d.step_share):.0%} of each step, confirmed for "
+                        f"{held:.0f} s); moving it from {where.slot} on {where.host} to "
                         f"{spare.slot} on {spare.host} and excluding {s.exclude.value} "
                         f"{name} for {s.exclude_for_s:.0f} s"
                     ),
