@@ -8,12 +8,14 @@ import asyncio
 import io
 import json
 import math
+import re
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import comm
+import numpy as np
 import pytest
 from comm.base_comm import BaseComm
 
@@ -473,7 +475,7 @@ def test_eventlog_folds_checkpoints_stragglers_and_unknown_kinds() -> None:
     assert (ck.committed_step, ck.in_flight_step, ck.commits, ck.bytes) == (10, None, 1, 2048)
     assert ck.describe(t + 31) == ("last committed step 10, 30 s ago, 2.0 KB, "
                                    "blocked 3.0 ms")
-    log.add({"kind": "straggler", "rank": 3, "phase": "comm", "state": "suspect",
+    log.add({"kind": "straggler", "rank": 3, "phase": "comm", "state": "confirmed",
              "ratio": 1.8, "since_step": 5, "time": t})
     assert set(log.stragglers) == {3}
     log.add({"kind": "straggler", "rank": 3, "phase": "comm", "state": "cleared", "time": t})
@@ -486,6 +488,53 @@ def test_eventlog_folds_checkpoints_stragglers_and_unknown_kinds() -> None:
     log.add({"kind": "recovery", "generation": 2, "recovery_s": 4.5, "lost_steps": 3})
     assert log.restarts == 1
     assert log.recent(1)[0].text == "recovered: generation 2 in 4.5 s, 3 steps redone"
+
+
+def straggler_events() -> list[dict[str, Any]]:
+    """Verdicts as the detector makes them: rank 2's own comm wait 5 ms above peers that wait
+    about none (suspect only: 5% of a step), and rank 1's compute 2x (confirmed)."""
+    from nbtrain.core.records import Phase
+    from nbtrain.core.straggler import StragglerDetector
+    from tests.test_straggler import ddp_frames
+
+    comm_frames = ddp_frames(3, 80)
+    for f in comm_frames:
+        ready = f.phases[0] + f.phases[1] + f.phases[3]
+        f.phases[2] = ready.max() - ready + (0.005 if f.step >= 40 else 0.0) * (
+            np.arange(3) == 2)
+    comm_det, compute_det = StragglerDetector(3), StragglerDetector(3)
+    verdicts = [d for f in comm_frames for d in comm_det.observe_frame(f)]
+    verdicts += [d for f in ddp_frames(3, 200, slow=(1, Phase.COMPUTE, 2.0, 30, 150))
+                 for d in compute_det.observe_frame(f)]
+    return [{**d.to_event(), "kind": "straggler", "time": 1.7e9 + i}
+            for i, d in enumerate(verdicts)]
+
+
+@pytest.mark.parametrize("show_suspects", [False, True])
+def test_views_show_confirmed_stragglers_and_suspects_on_demand(
+        show_suspects: bool, comms: list[RecordingComm]) -> None:
+    events = straggler_events()
+    states = [(e["rank"], e["phase"], e["state"]) for e in events]
+    assert (2, "comm", "suspect") in states and (1, "compute", "confirmed") in states
+    assert (2, "comm", "confirmed") not in states
+    job = offline_handle(3)
+    job._apply({"events": events, "status": {"state": "SUCCEEDED", "reason": "done"}})
+    assert [e["level"] for e in job.alerts] == [
+        {"suspect": "warning", "confirmed": "critical", "cleared": "info"}[e["state"]]
+        for e in events]
+    out = io.StringIO()
+    text = TextProgress(job, interval_s=0.1, out=out, show_suspects=show_suspects)
+    text.join(30)
+    dash = JobDashboard(job, start=False, show_suspects=show_suspects, alerts_shown=20)
+    panel = dash.alerts_panel.value
+    printed = out.getvalue()
+    for shown in (printed, panel):
+        assert re.search(r"rank 1 confirmed straggler in compute: 1\.\d\dx its peers", shown)
+        assert "rank 1 is no longer slow (compute)" in shown
+        assert "inf" not in shown.replace("info", "")
+        suspect = r"rank 2 suspect straggler in comm: \+\d\.\d ms/step \(peers ~0 ms\)"
+        assert bool(re.search(suspect, shown)) is show_suspects
+        assert ("rank 1 suspect" in shown) is show_suspects
 
 
 def test_thin_rows_keeps_the_same_steps_on_every_rank() -> None:

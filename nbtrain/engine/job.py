@@ -217,7 +217,10 @@ class JobHandle:
     @property
     def alerts(self) -> list[dict[str, Any]]:
         """Straggler verdicts (suspect / confirmed / cleared, with rank, phase, ratio, since
-        and a hint) and the mitigation policy's actions, oldest first."""
+        and a hint) and the mitigation policy's actions, oldest first. Each carries a
+        ``level``: "critical" for confirmed stragglers and replacements (what the dashboard
+        and text progress show), "warning" for suspects (the early signal, listed here and
+        shown with ``job.dashboard(show_suspects=True)``), "info" otherwise."""
         return [e for e in self.events if e["kind"] in ("straggler", "mitigation")]
 
     def goodput(self) -> dict[str, float]:

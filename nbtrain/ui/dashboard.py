@@ -86,18 +86,21 @@ class JobDashboard(widgets.VBox):
     ``lines_max_ranks``: up to this many ranks the step time is one line per rank, above it a
     rank x step heatmap. ``window_steps``: recent steps kept per rank in the step-time plot.
     ``start=False`` leaves refreshing to explicit :meth:`refresh` calls (tests, scripts).
+    ``show_suspects=True`` also lists suspect stragglers (the detector's early signal) among
+    the alerts; by default only confirmed ones, which are worth acting on.
     """
 
     OUTPUT_LINES = 8  # recent output lines shown per rank
 
     def __init__(self, job: JobHandle, *, rate_hz: float | None = None,
                  lines_max_ranks: int = 8, window_steps: int = 600, max_points: int = 20_000,
-                 alerts_shown: int = 8, start: bool = True) -> None:
+                 alerts_shown: int = 8, show_suspects: bool = False,
+                 start: bool = True) -> None:
         from bokeh.layouts import column, row
         from jupyter_bokeh.widgets import BokehModel
 
         self.job = job
-        self.eventlog = EventLog()
+        self.eventlog = EventLog(show_suspects=show_suspects)
         self.alerts_shown = alerts_shown
         self._row_index = 0
         self._event_index = 0
@@ -382,10 +385,12 @@ class TextProgress:
     """Headless view: a progress line every ``interval_s``, a line per alert and the ranks'
     output (``[rank 1 g0] ...``), until the job ends, printed from a daemon thread so
     ``job.wait()`` in a script or a papermill cell does not hold it up (only text is written
-    from that thread; no widget is involved)."""
+    from that thread; no widget is involved). Stragglers are printed once confirmed;
+    ``show_suspects=True`` prints the suspects (the early signal) too."""
 
     def __init__(self, job: JobHandle, *, interval_s: float | None = None,
-                 out: TextIO | None = None, start: bool = True) -> None:
+                 out: TextIO | None = None, show_suspects: bool = False,
+                 start: bool = True) -> None:
         from nbtrain.config import Settings
 
         self.job = job
@@ -394,7 +399,7 @@ class TextProgress:
         if self.interval_s <= 0:
             raise ValueError(f"interval_s must be positive, got {self.interval_s}")
         self.out = out
-        self.eventlog = EventLog()
+        self.eventlog = EventLog(show_suspects=show_suspects)
         self.lines = 0
         self._event_index = 0
         self._output_index = 0

@@ -4,6 +4,11 @@ One object, fed event by event, shared by the live widget, the text progress and
 report, so all three say the same thing. It does no I/O and reads no clock: ages are computed
 by the caller from the event times. Unknown event kinds are kept as plain alerts, so a view
 built before a feature landed still shows its events.
+
+Stragglers: by default only confirmed verdicts (and their clearing) become alerts, because
+those are what is worth acting on; suspects are the detector's early signal, which on a busy
+machine also fires for slowdowns that pass. ``show_suspects=True`` shows them too (they are
+always in ``job.alerts``, each with its level).
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
+
+from nbtrain.core.straggler import ratio_text
 
 #: Events that happen on every normal start and end: counted, not shown as alerts.
 _QUIET_KINDS = frozenset({"rank_started", "rank_finished", "steps"})
@@ -61,7 +68,7 @@ class Straggler:
     rank: int
     phase: str
     state: str  # "suspect" | "confirmed"
-    ratio: float
+    ratio: float | None  # None when the peers spend about no time in the phase
     since_step: int | None
     hint: str = ""
 
@@ -71,9 +78,14 @@ class EventLog:
     """Everything the views derive from non-step events. Feed with :meth:`add`."""
 
     max_alerts: int = 200
+    show_suspects: bool = False
+    """Also alert suspect stragglers (the early signal), not only confirmed ones."""
     alerts: deque[Alert] = field(default_factory=deque)
     checkpoint: CheckpointState = field(default_factory=CheckpointState)
     stragglers: dict[int, Straggler] = field(default_factory=dict)
+    """Ranks shown as slow now (confirmed, or suspect with ``show_suspects``), one verdict
+    each: a confirmed one before a suspect one."""
+    _shown: dict[tuple[int, str], Straggler] = field(default_factory=dict, repr=False)
     restarts: int = 0
     failures: int = 0
     resizes: int = 0
@@ -147,22 +159,35 @@ class EventLog:
                 ck.bytes = _int_or_none(ev.get("bytes"))
         return None
 
-    def _on_straggler(self, ev: dict[str, Any], when: float | None) -> Alert:
+    def _on_straggler(self, ev: dict[str, Any], when: float | None) -> Alert | None:
         rank = int(ev.get("rank", -1))
         state = str(ev.get("state", "suspect"))
         phase = str(ev.get("phase", "step"))
-        ratio = float(ev.get("ratio", 0.0) or 0.0)
+        ratio = _float_or(ev.get("ratio"), None)
         if state == "cleared":
-            self.stragglers.pop(rank, None)
+            if self._shown.pop((rank, phase), None) is None:
+                return None  # an episode that was never shown ends quietly
+            self._sync_stragglers()
             return Alert(when, "info", "straggler", f"rank {rank} is no longer slow ({phase})")
+        if state == "suspect" and not self.show_suspects:
+            return None
         since = _int_or_none(ev.get("since_step"))
         hint = str(ev.get("hint", "") or "")
-        self.stragglers[rank] = Straggler(rank, phase, state, ratio, since, hint)
+        self._shown[rank, phase] = Straggler(rank, phase, state, ratio, since, hint)
+        self._sync_stragglers()
+        compared = ratio_text(ratio, _float_or(ev.get("peer_s"), None))
+        excess = _float_or(ev.get("excess_s"), None)
+        if compared.startswith("peers") and excess is not None:
+            compared = f"+{excess * 1e3:.1f} ms/step ({compared})"
         since_txt = "" if since is None else f" since step {since}"
         hint_txt = f" — {hint}" if hint else ""
         return Alert(when, "warn", "straggler",
-                     f"rank {rank} {state} straggler in {phase}: {ratio:.2f}x the median"
+                     f"rank {rank} {state} straggler in {phase}: {compared}"
                      f"{since_txt}{hint_txt}")
+
+    def _sync_stragglers(self) -> None:
+        ordered = sorted(self._shown.values(), key=lambda s: (s.rank, s.state == "confirmed"))
+        self.stragglers = {s.rank: s for s in ordered}  # the last one per rank wins
 
     def _on_mitigation(self, ev: dict[str, Any], when: float | None) -> Alert | None:
         if ev.get("action") == "alert":
