@@ -586,9 +586,12 @@ class StragglerDetector:
         self._reference[self._pos] = reference
         self._steps_s[self._pos] = step_s
         self._pos = (self._pos + 1) % r
-        recent = self._recent(s.window)
-        self._median_step_s = float(np.nanmedian(self._steps_s[recent]))
-        self._levels[self._level_pos] = np.nanmedian(self._excess[recent], axis=0)
+        recent = self._recent(min(s.window, self._judged - s.warmup_steps))
+        steps_s = self._steps_s[recent]
+        self._median_step_s = float(np.median(steps_s[~np.isnan(steps_s)]))
+        # np.median, not nanmedian (10x slower): a level with a gap (a ring grown by a
+        # settings change) is NaN, and _noise skips it
+        self._levels[self._level_pos] = np.median(self._excess[recent], axis=0)
         self._level_pos = (self._level_pos + 1) % self._levels.shape[0]
         count = self._votes[recent].sum(axis=0)
 
