@@ -17,11 +17,14 @@ def test_slow_compute_rank_is_flagged_with_phase(free_cluster: nbtrain.Cluster) 
                          for a in job.alerts), 180, "a confirmed straggler")
     job.stop()
     assert job.wait(60) is JobState.CANCELLED
-    flagged = {(a["rank"], a["phase"]) for a in job.alerts
-               if a["kind"] == "straggler" and a["state"] in ("suspect", "confirmed")}
-    assert flagged == {(1, "compute")}, job.alerts
+    # Only confirmed verdicts name the straggler: suspects are the early signal, which on a
+    # busy machine (other tests, another user) also fires for slowdowns that pass.
+    confirmed_pairs = {(a["rank"], a["phase"]) for a in job.alerts
+                       if a["kind"] == "straggler" and a["state"] == "confirmed"}
+    assert confirmed_pairs == {(1, "compute")}, job.alerts
     confirmed = next(a for a in job.alerts if a.get("state") == "confirmed")
     assert confirmed["ratio"] > 1.5 and confirmed["since_step"] >= 30
+    assert confirmed["level"] == "critical"
     assert "compute" in confirmed["hint"] or "load" in confirmed["hint"]
     # Whole-step times stay equal across ranks: only the phase split shows the straggler.
     m = job.metrics
