@@ -87,8 +87,8 @@ class StragglerSettings:
     """Thresholds of the detector; change them on a running job with ``update_settings``.
 
     Defaults make a rank *suspect* (the early signal) when one phase is 1.2x its peers on 6
-    of 8 steps, and *confirm* it when, on 3 in 4 of the last 32 steps, it was slower than
-    its peers by at least 10% of a step and 3x the job's own noise in that phase, for at
+    of 8 steps, and *confirm* it when, on 70% of the last 32 steps, it was slower than its
+    peers by at least 10% of a step and 4x the job's own noise in that phase, for at
     least a second of training. Spikes of any size on fewer than 6 of 8 steps are ignored.
     """
 
@@ -106,14 +106,14 @@ class StragglerSettings:
     """Steps of evidence a confirmed verdict (the one mitigation acts on) rests on: the last
     ``confirm_steps`` steps. Longer is steadier and later; it should cover a few times the
     longest pause you consider normal (a checkpoint, an evaluation)."""
-    confirm_fraction: float = 0.75
+    confirm_fraction: float = 0.7
     """A suspect is confirmed only when it was slow on at least this share of the last
     ``confirm_steps`` steps: a sustained slowdown, not one that comes and goes."""
     confirm_share: float = 0.10
     """...and when, on that share of those steps, its excess over the peers is at least this
     share of the median step time: the job would run that much faster without the slow rank.
     Lower it to confirm stragglers that cost the job less."""
-    confirm_z: float = 3.0
+    confirm_z: float = 4.0
     """...and at least this many times the job's own noise in the phase: how much a rank's
     recent excess over its peers (its median over the vote window) wanders in this job, as
     1.4826 x its MAD over the ``noise_steps`` steps before the evidence. A job whose ranks
@@ -161,7 +161,7 @@ class StragglerSettings:
         if not 0.0 < self.confirm_fraction <= 1.0:
             problems.append(
                 f"confirm_fraction must be in (0, 1], got {self.confirm_fraction!r} "
-                "(e.g. 0.75: slow on 3 of 4 recent steps)"
+                "(e.g. 0.7: slow on 70% of the recent steps)"
             )
         if not 0.0 <= self.confirm_share < 1.0:
             problems.append(f"confirm_share must be in [0, 1), got {self.confirm_share!r}")
