@@ -160,7 +160,7 @@ def hog_run(cluster: Any, recipe: Any, *, hog_rank: int, onset_after: int, steps
             while not job.done and time.monotonic() < deadline:
                 if stop_on_confirm and any(
                         e["kind"] == "straggler" and e["state"] == "confirmed"
-                        for e in job.events):
+                        and float(e.get("time") or 0.0) >= started for e in job.events):
                     break
                 time.sleep(0.1)
             if not job.done:
@@ -176,6 +176,98 @@ def hog_run(cluster: Any, recipe: Any, *, hog_rank: int, onset_after: int, steps
     trace.onset_step = int(trace.steps[after[0]]) if after.size else None
     trace.meta["hog_core"] = core
     return trace, straggler_events(job)
+
+
+def confirmed_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in events if e["kind"] == "straggler" and e["state"] == "confirmed"]
+
+
+@dataclass
+class HogVerdict:
+    """What one pinned-hog trial showed."""
+
+    right: bool  # the first confirmed verdict after the onset: the hogged rank, compute; no
+    # other rank confirmed after the onset
+    latency: int | None  # steps from the onset to that verdict
+    before_onset: int  # confirmed verdicts before the hog started (false, or another load)
+    text: str
+
+
+def judge_hog(trace: LiveTrace, events: list[dict[str, Any]]) -> HogVerdict:
+    onset = trace.onset_step
+    confirmed = confirmed_events(events)
+    if onset is None:
+        return HogVerdict(False, None, len(confirmed), "the job ended before the hog started")
+    before = [e for e in confirmed if int(e["step"]) < onset]
+    after = [e for e in confirmed if int(e["step"]) >= onset]
+    first = after[0] if after else None
+    right = (first is not None and first["rank"] == trace.hog_rank
+             and first["phase"] == "compute"
+             and all(e["rank"] == trace.hog_rank for e in after))
+    latency = int(first["step"]) - onset if first is not None else None
+    seen = (f"first confirmed rank {first['rank']} {first['phase']} {latency} steps after"
+            if first is not None else "nothing confirmed after")
+    return HogVerdict(right, latency, len(before),
+                      f"hog on rank {trace.hog_rank}'s core from step {onset}: {seen}; "
+                      f"{len(before)} confirmed before")
+
+
+def live_noise_trials(cluster: Any, quick: bool, save: Path | None = None) -> dict[str, Any]:
+    """Live figures of issue 15: healthy jobs on this machine (>= 10k steps in all: how often
+    a straggler is confirmed that is not there) and a CPU hog pinned to one rank's core (the
+    right rank and phase confirmed, and how many steps after the onset)."""
+    clean_plan = [("mlp", 2500)] * 3 + [("mlp-heavy", 2500)]
+    hog_plan = [0, 1] if quick else [0, 1, 0, 1, 0, 1]
+    if not quick:
+        clean_plan = clean_plan * 2
+    load: list[float] = []
+    steps = confirmed = suspects = 0
+    lines: list[str] = []
+    for i, (model, n) in enumerate(clean_plan):
+        trace, events = clean_run(cluster, recipe_of(model), n, f"clean-{model}-{i}")
+        load.append(os.getloadavg()[0])
+        got = confirmed_events(events)
+        sus = [e for e in events if e["kind"] == "straggler" and e["state"] == "suspect"]
+        steps += len(trace.steps)
+        confirmed += len(got)
+        suspects += len(sus)
+        lines.append(f"  clean {model:<9} {len(trace.steps):>5} steps "
+                     f"{float(np.median(trace.step_s)) * 1e3:6.1f} ms/step: "
+                     f"{len(sus):>3} suspect, {len(got)} confirmed "
+                     + " ".join(f"(rank {e['rank']} {e['phase']} at {e['step']})" for e in got))
+        if save is not None:
+            trace.save(save / f"bench-{trace.label}.npz")
+    verdicts: list[HogVerdict] = []
+    for i, rank in enumerate(hog_plan):
+        trace, events = hog_run(cluster, recipe_of("mlp-heavy"), hog_rank=rank,
+                                onset_after=100, steps=500, label=f"hog-r{rank}-{i}",
+                                stop_on_confirm=True)
+        load.append(os.getloadavg()[0])
+        verdict = judge_hog(trace, events)
+        verdicts.append(verdict)
+        lines.append(f"  hog trial {i}: {verdict.text}")
+        if save is not None:
+            trace.save(save / f"bench-{trace.label}.npz")
+    print(f"live, healthy jobs (2 ranks, {steps} steps) and a CPU hog pinned to one rank's "
+          "core (DigitsMLP hidden=512 layers=3):")
+    print("\n".join(lines))
+    latencies = [v.latency for v in verdicts if v.right and v.latency is not None]
+    return {
+        "live_clean_steps": steps,
+        "live_clean_confirmed": confirmed,
+        "live_clean_confirmed_per_10k": round(1e4 * confirmed / steps, 2),
+        "live_clean_suspects_per_10k": round(1e4 * suspects / steps, 1),
+        "live_hog_trials": len(verdicts),
+        "live_hog_right": round(sum(v.right for v in verdicts) / len(verdicts), 3),
+        "live_hog_latency_steps": (max(latencies) if len(latencies) == len(verdicts)
+                                   else None),
+        "live_hog_latencies": [v.latency for v in verdicts],
+        "live_hog_confirmed_before_onset": sum(v.before_onset for v in verdicts),
+        "live_load1_max": round(max(load), 2),
+        "live_noise_targets_met": bool(
+            confirmed * 1e4 / steps <= 1 and all(v.right for v in verdicts)
+            and len(latencies) == len(verdicts) and max(latencies) <= 50),
+    }
 
 
 RECIPES: dict[str, dict[str, Any]] = {
