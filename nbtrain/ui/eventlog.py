@@ -177,7 +177,7 @@ class EventLog:
         self._sync_stragglers()
         compared = ratio_text(ratio, _float_or(ev.get("peer_s"), None))
         excess = _float_or(ev.get("excess_s"), None)
-        if compared.startswith("peers") and excess is not None:
+        if ratio is None and excess is not None:  # the detector nulls a ratio that says nothing
             compared = f"+{excess * 1e3:.1f} ms/step ({compared})"
         since_txt = "" if since is None else f" since step {since}"
         hint_txt = f" — {hint}" if hint else ""
