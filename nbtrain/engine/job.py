@@ -367,7 +367,8 @@ class JobHandle:
         while a cell runs); "text". The page has controls (preempt, resume, checkpoint, stop,
         resize) for the job's owner and the operator, and is read-only for anyone else; it
         keeps updating while this kernel is busy or gone. ``options`` tune the widget
-        (``rate_hz``, ``lines_max_ranks``, ``window_steps``).
+        (``rate_hz``, ``lines_max_ranks``, ``window_steps``); ``show_suspects=True`` lists
+        suspect stragglers (the early signal) too, not only confirmed ones.
         """
         from nbtrain.ui.dashboard import job_dashboard
 
