@@ -10,7 +10,8 @@ import json
 import math
 import re
 import xml.etree.ElementTree as ET
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from nbtrain.ui import display as display_mod
 from nbtrain.ui.cluster_view import ClusterDashboard, ClusterText
 from nbtrain.ui.dashboard import JobDashboard, TextProgress, job_dashboard
 from nbtrain.ui.eventlog import EventLog
+from nbtrain.ui.jobpage import JobPage
 from nbtrain.ui.poller import MAX_CONSECUTIVE_ERRORS, Poller
 from nbtrain.ui.report import summary, thin_rows, write_report
 from nbtrain.ui.static import static_plots
@@ -510,6 +512,27 @@ def straggler_events() -> list[dict[str, Any]]:
             for i, d in enumerate(verdicts)]
 
 
+@dataclass
+class FixedFeed:
+    """A served page's feed (``nbtrain.ui.jobpage.JobFeed``) over a fixed list of events."""
+
+    events: list[dict[str, Any]]
+    job_id: str = "j"
+    can_control: bool = False
+
+    def rows_since(self, position: int) -> tuple[list[Any], int]:
+        return [], position
+
+    def events_since(self, position: int) -> tuple[list[dict[str, Any]], int]:
+        return self.events[position:], len(self.events)
+
+    def status(self) -> Mapping[str, Any]:
+        return {"state": "SUCCEEDED", "name": "j", "world_size": 3}
+
+    def request(self, what: str, arg: Any = None) -> None:
+        raise PermissionError("read-only")
+
+
 @pytest.mark.parametrize("show_suspects", [False, True])
 def test_views_show_confirmed_stragglers_and_suspects_on_demand(
         show_suspects: bool, comms: list[RecordingComm]) -> None:
@@ -528,7 +551,8 @@ def test_views_show_confirmed_stragglers_and_suspects_on_demand(
     dash = JobDashboard(job, start=False, show_suspects=show_suspects, alerts_shown=20)
     panel = dash.alerts_panel.value
     printed = out.getvalue()
-    for shown in (printed, panel):
+    served = JobPage(FixedFeed(events), show_suspects=show_suspects, alerts_shown=20)
+    for shown in (printed, panel, served.alerts.text):
         assert re.search(r"rank 1 confirmed straggler in compute: 1\.\d\dx its peers", shown)
         assert "rank 1 is no longer slow (compute)" in shown
         assert "inf" not in shown.replace("info", "")

@@ -188,6 +188,10 @@ def test_dashboard_in_a_kernel_is_the_served_page(display: str, monkeypatch: pyt
     view = job.dashboard(display=display)
     assert isinstance(view, PageView) and view.controls
     assert f"<iframe src='{view.url}" in view._repr_html_().replace("&amp;", "&")
+    early = job.dashboard(display=display, show_suspects=True)  # suspect stragglers too
+    assert "suspects=1" in early.url and "suspects" not in view.url
+    with page(early.url) as doc:
+        assert model(doc, "nbtrain-alerts") is not None
     assert isinstance(free_cluster.dashboard(display=display), PageView)
     job.wait(120)
 

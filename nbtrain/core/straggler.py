@@ -26,9 +26,9 @@ the same phase on the other ranks:
    recent excess over its peers, or the peers' own recent time in the phase, wandered in
    this job over the steps before that evidence: on a quiet machine it is small and a steady
    1.3x is confirmed; on a busy one, where other processes come and go and slow one rank and
-   then another for a second or two, it is large, and only a slowdown well beyond those is. (Measured live on this project's 2-core machine, issue 15:
-   the previous rule, suspect for 30 steps, confirmed passing slowdowns there about 27 times
-   per 10k steps of healthy jobs.)
+   then another for a second or two, it is large, and only a slowdown well beyond those is.
+   (Measured live on this project's 2-core machine, issue 15: the previous rule, suspect for
+   30 steps, confirmed passing slowdowns there about 27 times per 10k steps of healthy jobs.)
 5. The first ``warmup_steps`` steps after each (re)start are not judged (compilation, cache
    warm-up and the first all-reduce make them slow for reasons that pass).
 

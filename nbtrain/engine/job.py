@@ -374,9 +374,10 @@ class JobHandle:
 
         return job_dashboard(self, display=display, **options)
 
-    def page(self) -> Any:
+    def page(self, *, show_suspects: bool = False) -> Any:
         """The job's page served by the cluster (a ``PageView``: ``.url``, shown in a
-        notebook as the live page); with controls when this handle owns the job."""
+        notebook as the live page); with controls when this handle owns the job.
+        ``show_suspects=True`` lists suspect stragglers among its alerts too."""
         from nbtrain.ui.pageview import PageView
 
         if self._cluster is None:
@@ -386,7 +387,8 @@ class JobHandle:
         if reply["served"] == "none":
             raise RuntimeError("this cluster's scheduler has no web server (its dashboard is "
                                "off), so it serves no pages: use display='widget' or 'text'")
-        return PageView(self._cluster.page_url(reply["path"]), f"job {self.name}",
+        path = reply["path"] + ("&suspects=1" if show_suspects else "")
+        return PageView(self._cluster.page_url(path), f"job {self.name}",
                         controls=bool(reply["controls"]))
 
     def report(self, path: str) -> str:

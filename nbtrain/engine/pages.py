@@ -57,7 +57,8 @@ class ViewTicket:
 
 # ====================================================================== documents
 def job_document(scheduler: Any, extra: Mapping[str, Any], doc: Any) -> None:
-    """A job's page; without ``?job=`` a list of the cluster's jobs."""
+    """A job's page; without ``?job=`` a list of the cluster's jobs. ``&suspects=1`` lists
+    suspect stragglers among the alerts too."""
     from bokeh.models.widgets.markups import Div
 
     ctl = _controller(scheduler)
@@ -73,7 +74,7 @@ def job_document(scheduler: Any, extra: Mapping[str, Any], doc: Any) -> None:
     from nbtrain.ui.jobpage import JobPage
 
     feed = ControllerFeed(ctl, job_id, ticket)
-    page = JobPage(feed)
+    page = JobPage(feed, show_suspects=_arg(doc, "suspects") in ("1", "true"))
     doc.title = f"nbtrain: {ctl.assets[job_id].spec.name}"
     doc.add_root(page.layout)
     _every(doc, page.refresh, f"page of job {job_id}")

@@ -72,7 +72,7 @@ def job_dashboard(job: JobHandle, display: str | None = None, **options: Any) ->
         return TextProgress(job, **options)
     if mode == "page":
         try:
-            return job.page()
+            return job.page(show_suspects=bool(options.get("show_suspects", False)))
         except RuntimeError:  # no pages on this cluster: the kernel-side widget instead
             pass
     ensure_bokehjs()

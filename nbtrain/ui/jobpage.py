@@ -56,13 +56,15 @@ class JobFeed(Protocol):
 
 class JobPage:
     """The page's models and its refresh. ``layout`` goes into a Bokeh document;
-    :meth:`refresh` pulls what is new (call it from the document's periodic callback)."""
+    :meth:`refresh` pulls what is new (call it from the document's periodic callback).
+    ``show_suspects=True`` also lists suspect stragglers (the early signal) among the alerts;
+    by default only confirmed ones (the page's ``?suspects=1``)."""
 
     def __init__(self, feed: JobFeed, *, lines_max_ranks: int = 8, window_steps: int = 600,
-                 alerts_shown: int = 10) -> None:
+                 alerts_shown: int = 10, show_suspects: bool = False) -> None:
         self.feed = feed
         self.alerts_shown = alerts_shown
-        self.log = EventLog()
+        self.log = EventLog(show_suspects=show_suspects)  # confirmed stragglers only, or all
         self.rows_at = 0
         self.events_at = 0
         self.rows_drawn = 0
