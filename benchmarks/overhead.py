@@ -4,7 +4,9 @@ Three contenders per round, in a rotating order: nbtrain with a ``Recipe`` (nbtr
 nbtrain with a training function (the user's own loop over ``ctx.batches``), and torchrun.
 Each round's rate is taken over the steady state only (the first 25% of steps dropped), and
 the figures are medians over rounds.
-Usage: ``python benchmarks/overhead.py [--quick] [--rounds N] [--steps N]``.
+Usage: ``python benchmarks/overhead.py [--quick] [--rounds N] [--steps N] [--peer-env dask]``.
+The torchrun peer runs in the environment this process had before ``connect()``, as a
+user's ``torchrun`` would, not with the variables Dask's nanny adds.
 Last stdout line: JSON with nbtrain_steps_per_s, function_steps_per_s, torchrun_steps_per_s,
 ratio (Recipe over torchrun) and function_ratio (function over torchrun).
 """
@@ -52,27 +54,37 @@ def run_function(cluster: nbtrain.Cluster, steps: int, hidden: int, layers: int,
     return steady_rate(m[m["rank"] == 0].sort_values("step")["time"].tolist())
 
 
-def run_torchrun(steps: int, hidden: int, layers: int, batch: int) -> float:
+#: The environment before ``connect()``: what a user's ``torchrun`` gets. Dask's nanny writes
+#: its ``pre-spawn-environ`` (``MALLOC_TRIM_THRESHOLD_=65536``, which makes PyTorch's CPU
+#: steps much slower, see ``nbtrain.engine.workers.tune_malloc``) into this process's
+#: environment when it starts a worker, so a peer started later would inherit it.
+PLAIN_ENV = dict(os.environ)
+
+
+def run_torchrun(steps: int, hidden: int, layers: int, batch: int,
+                 env: dict[str, str] | None = None) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                "--standalone", str(HERE / "_torchrun_peer.py"), "--steps", str(steps),
                "--out", str(out), "--hidden", str(hidden), "--layers", str(layers),
                "--batch", str(batch)]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env = dict(PLAIN_ENV if env is None else env, OMP_NUM_THREADS="1")
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL,
                        stderr=subprocess.PIPE, timeout=600)
         return steady_rate(json.loads(out.read_text()))
 
 
 def compare(cluster: nbtrain.Cluster, rounds: int, steps: int, hidden: int = 512,
-            layers: int = 3, batch: int = 256, log: bool = True) -> dict[str, object]:
+            layers: int = 3, batch: int = 256, log: bool = True,
+            peer_env: dict[str, str] | None = None) -> dict[str, object]:
     """Rounds of nbtrain (Recipe and function) on ``cluster`` and torchrun, in rotating
-    order so drift in machine load hits all alike; medians and ratios."""
+    order so drift in machine load hits all alike; medians and ratios. ``peer_env``: the
+    torchrun peer's environment (default: this process's before ``connect()``)."""
     shape = (hidden, layers, batch)
     runners = {"nbtrain": lambda: run_nbtrain(cluster, steps, *shape),
                "function": lambda: run_function(cluster, steps, *shape),
-               "torchrun": lambda: run_torchrun(steps, *shape)}
+               "torchrun": lambda: run_torchrun(steps, *shape, env=peer_env)}
     rates: dict[str, list[float]] = {k: [] for k in runners}
     run_nbtrain(cluster, 30, *shape)  # warm the workers' imports once
     names = list(runners)
@@ -107,13 +119,19 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--peer-env", choices=("plain", "dask"), default="plain",
+                        help="the torchrun peer's environment: as before connect() (a user's "
+                        "shell; default), or with what Dask's nanny adds to it (what this "
+                        "benchmark used before, MALLOC_TRIM_THRESHOLD_ included)")
     args = parser.parse_args()
     rounds = args.rounds or (3 if args.quick else 7)
     steps = args.steps or (300 if args.quick else 1000)
     tmp = tempfile.TemporaryDirectory(prefix="nbtrain-overhead-")
     settings = nbtrain.Settings.load(checkpoint_root=tmp.name)
     with tmp, nbtrain.connect(n_workers=2, settings=settings) as cluster:
-        figures = compare(cluster, rounds, steps, args.hidden, args.layers, args.batch)
+        peer_env = dict(os.environ) if args.peer_env == "dask" else PLAIN_ENV
+        figures = compare(cluster, rounds, steps, args.hidden, args.layers, args.batch,
+                          peer_env=peer_env)
     ratios = figures.pop("ratios")
     figures.pop("function_ratios")
     print(f"\n{'':12}{'median steps/s':>16}")
@@ -125,6 +143,7 @@ def main() -> None:
           f"{', '.join(f'{r:.3f}' for r in ratios)}")  # type: ignore[attr-defined]
     print(json.dumps({
         **figures, "rounds": rounds, "steps_per_round": steps, "world_size": 2,
+        "peer_env": args.peer_env,
         "model": {"hidden": args.hidden, "layers": args.layers, "global_batch": args.batch},
     }))
 

@@ -50,7 +50,9 @@ class Settings:
     #: Torch intra-op threads per rank on CPU; 0 = the host's cores divided among its slots.
     rank_threads: int = 0
     #: Quiet Dask's own background work on embedded workers: the statistical profiler off and
-    #: the system/memory monitors slowed. On two cores they otherwise cost ~8% of step rate.
+    #: the system/memory monitors slowed (on two cores they otherwise cost ~8% of step rate);
+    #: and on every worker glibc's malloc set to reuse blocks up to 32 MB, which Dask's
+    #: ``MALLOC_TRIM_THRESHOLD_`` turns off (``nbtrain.engine.workers.tune_malloc``).
     quiet_workers: bool = True
     #: Text progress lines at most this often (seconds).
     progress_interval_s: float = 2.0

@@ -7,7 +7,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import platform
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -188,17 +191,18 @@ def test_workers_of_any_cluster_are_labelled_quiet_and_warm(tmp_path: Path) -> N
             assert sorted((s["host"], s["nvlink"]) for s in slots) == [
                 ("node-a", "a0"), ("node-a", "a0"), ("node-b", "node-b"), ("node-b", "node-b")]
 
-            def state(dask_worker: object) -> tuple[bool, bool]:
+            def state(dask_worker: object) -> tuple[bool, bool, bool]:
                 import sys
 
-                from nbtrain.engine.workers import QUIET_PROFILE_MS
+                from nbtrain.engine import workers
 
                 profile = dask_worker.periodic_callbacks.get("profile")  # type: ignore[attr-defined]
-                return (profile is None or profile.callback_time >= QUIET_PROFILE_MS,
-                        "torch" in sys.modules)
+                return (profile is None or profile.callback_time >= workers.QUIET_PROFILE_MS,
+                        "torch" in sys.modules,
+                        workers.malloc_tuned or not sys.platform.startswith("linux"))
 
             wait_for(lambda: all(all(v) for v in c.client.run(state).values()), 120,
-                     "quiet, warmed-up workers")
+                     "quiet, warmed-up workers with malloc tuned for training")
             job = c.submit(Regression(), world_size=4, steps=5)
             assert job.wait(120) is JobState.SUCCEEDED, job.error
 
@@ -208,3 +212,12 @@ def test_embedded_cluster_listens_on_loopback_only() -> None:
         assert c.address.startswith("tcp://127.0.0.1:")
         assert c.dashboard_link.startswith("http://127.0.0.1:")
         assert all(a.startswith("tcp://127.0.0.1:") for a in c.client.scheduler_info()["workers"])
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_tune_malloc_sets_glibc_thresholds_that_dasks_trim_variable_turns_off() -> None:
+    code = "from nbtrain.engine.workers import tune_malloc; print(tune_malloc())"
+    env = dict(os.environ, MALLOC_TRIM_THRESHOLD_="65536")  # as Dask's nanny starts workers
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env=env)
+    assert out.stdout.strip() == "True"

@@ -1,5 +1,5 @@
-"""What nbtrain sets up on every Dask worker, embedded or not: quiet monitors, warm imports,
-and the worker's labels (host, NVLink domain, leaf switch).
+"""What nbtrain sets up on every Dask worker, embedded or not: quiet monitors, malloc tuned
+for training, warm imports, and the worker's labels (host, NVLink domain, leaf switch).
 
 ``connect()`` registers :class:`NbtrainWorker` on any cluster (idempotently), so a cluster
 started with ``dask scheduler`` and ``dask worker`` gets the same treatment as the embedded
@@ -29,6 +29,13 @@ QUIET_PROFILE_MS = 86_400_000
 QUIET_MONITOR_MS = 2000
 #: Period of Dask's memory monitor on quiet workers (Dask's default is 0.1 s).
 QUIET_MEMORY_MONITOR_MS = 1000
+#: glibc malloc on quiet workers: blocks up to this size come from the heap and are reused
+#: (glibc's own dynamic threshold grows to this too, unless MALLOC_TRIM_THRESHOLD_ is set)...
+MALLOC_MMAP_THRESHOLD = 32 << 20
+#: ... and free memory above this at the top of the heap goes back to the system.
+MALLOC_TRIM_THRESHOLD = 64 << 20
+#: Whether this process's malloc was tuned by :func:`tune_malloc` (read by tests).
+malloc_tuned = False
 
 
 def worker_labels() -> dict[str, str]:
@@ -71,7 +78,8 @@ def _warm_up() -> None:
 
 
 class NbtrainWorker(WorkerPlugin):
-    """Quiet Dask's own background work, and import torch in the background.
+    """Quiet Dask's own background work, give PyTorch a malloc that reuses memory
+    (:func:`tune_malloc`), and import torch in the background.
 
     On two cores Dask's statistical profiler (every 10 ms) and its monitors compete with the
     ranks for CPU (measured: ~0.89 of torchrun's step rate with the defaults, ~0.97 quiet).
@@ -90,6 +98,7 @@ class NbtrainWorker(WorkerPlugin):
     def setup(self, worker: Any) -> None:
         if self.quiet:
             quiet(worker)
+            tune_malloc()
         if self.warm_up:
             threading.Thread(target=_try_warm_up, name="nbtrain-warm-up", daemon=True).start()
 
@@ -108,6 +117,38 @@ def quiet(worker: Any) -> None:
         pc = callbacks.get(name)
         if pc is not None and pc.callback_time < ms:
             pc.callback_time = ms
+
+
+def tune_malloc() -> bool:
+    """Undo what Dask's ``MALLOC_TRIM_THRESHOLD_=65536`` does to training (glibc only;
+    returns whether it did).
+
+    Dask's nanny starts workers with that variable (to return freed memory to the system
+    sooner), and setting it also turns off glibc's dynamic mmap threshold: every block over
+    128 KB is then a fresh ``mmap`` whose pages fault in zeroed, and PyTorch's CPU allocator
+    asks for such blocks many times a step (activations, gradients, optimizer temporaries).
+    Measured on a 2-core machine: one process's training step of a 512-wide 3-layer MLP
+    (batch 128, one thread) took 11.1-12.1 ms of CPU with the variable, 6.6-7.4 ms without
+    it and 6.4-7.8 ms with it and this tuning; a 2-rank job on a busy machine ran 2.7x and
+    3.5x as many steps per second tuned. The thresholds are set to where glibc's dynamic
+    threshold settles (32 MB, trim at 64 MB), so blocks up to 32 MB are reused from the heap;
+    a worker may keep up to 64 MB of freed memory that Dask's setting would give back.
+    """
+    global malloc_tuned
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's <malloc.h>
+    malloc_tuned = bool(mallopt(m_mmap_threshold, MALLOC_MMAP_THRESHOLD)
+                        and mallopt(m_trim_threshold, MALLOC_TRIM_THRESHOLD))
+    return malloc_tuned
 
 
 def _try_warm_up() -> None:
