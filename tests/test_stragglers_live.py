@@ -6,6 +6,7 @@ import pytest
 
 import nbtrain
 from nbtrain import Fault, JobState
+from nbtrain.core.straggler import StragglerSettings
 from tests.conftest import wait_for
 from tests.recipes import Regression
 
@@ -13,8 +14,12 @@ from tests.recipes import Regression
 def test_slow_compute_rank_is_flagged_with_phase(free_cluster: nbtrain.Cluster) -> None:
     job = free_cluster.submit(Regression(step_sleep=0.01), world_size=2, steps=1_000_000,
                               faults=[Fault("slow", rank=1, step=30, factor=2.5)])
+    # The policy acts on verdicts when rank 0's next rows arrive, which may be after the
+    # verdict itself: wait for both before stopping the job.
     wait_for(lambda: any(a["kind"] == "straggler" and a["state"] == "confirmed"
-                         for a in job.alerts), 180, "a confirmed straggler")
+                         for a in job.alerts)
+             and any(a["kind"] == "mitigation" for a in job.alerts), 180,
+             "a confirmed straggler and the policy's alert")
     job.stop()
     assert job.wait(60) is JobState.CANCELLED
     # Only confirmed verdicts name the straggler: suspects are the early signal, which on a
@@ -23,7 +28,10 @@ def test_slow_compute_rank_is_flagged_with_phase(free_cluster: nbtrain.Cluster) 
                        if a["kind"] == "straggler" and a["state"] == "confirmed"}
     assert confirmed_pairs == {(1, "compute")}, job.alerts
     confirmed = next(a for a in job.alerts if a.get("state") == "confirmed")
-    assert confirmed["ratio"] > 1.5 and confirmed["since_step"] >= 30
+    # since: where the run of slow steps began, after the warm-up; on a busy machine a slow
+    # step by chance just before the fault's step 30 may begin it
+    assert confirmed["ratio"] > 1.5
+    assert StragglerSettings().warmup_steps < confirmed["since_step"] <= confirmed["step"]
     assert confirmed["level"] == "critical"
     assert "compute" in confirmed["hint"] or "load" in confirmed["hint"]
     # Whole-step times stay equal across ranks: only the phase split shows the straggler.
