@@ -23,8 +23,12 @@ the model's dtype; the compute runs in bfloat16 — FSDP casts the gathered para
 (``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``), DDP runs the forward
 under ``torch.autocast``. Outputs come back as float32, so the loss is computed in float32.
 
-**compile**: ``torch.compile`` each FSDP unit (or the whole model under DDP) before wrapping,
-in place (``Module.compile``), so parameter names, state dicts and checkpoints do not change.
+**compile**: ``torch.compile`` each FSDP unit's forward (or the whole model's under DDP)
+before wrapping, in place, so parameter names, state dicts and checkpoints do not change.
+Not through ``Module.compile()``: on torch 2.13 it captures nothing (Dynamo skips the
+``Module._call_impl`` frame it compiles, as a file in its skip list — ``TORCH_LOGS=+dynamo``
+says "skipping: _call_impl"), so the model silently runs eager; compiling the bound
+``forward`` is traced.
 """
 
 from __future__ import annotations
@@ -132,6 +136,12 @@ def _autocast_forward(model: nn.Module, device: torch.device) -> None:
     model.forward = mixed
 
 
+def _compile(module: nn.Module) -> None:
+    """Compile ``module``'s forward in place (see the module docstring for why not
+    ``Module.compile()``)."""
+    module.forward = torch.compile(module.forward)
+
+
 def prepare_model(model: nn.Module, *, mesh: DeviceMesh, plan: MeshPlan,
                   device: torch.device, timer: PhaseTimer, strategy: str = "ddp",
                   precision: str = "fp32", compile: bool = False,
@@ -163,7 +173,7 @@ def prepare_model(model: nn.Module, *, mesh: DeviceMesh, plan: MeshPlan,
         if precision == "bf16-mixed":
             _autocast_forward(model, device)
         if compile:
-            model.compile()
+            _compile(model)
         device_ids = [device.index] if device.type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids, **dict(ddp_kwargs or {}))
         timer.attach_ddp(ddp)
@@ -182,11 +192,11 @@ def prepare_model(model: nn.Module, *, mesh: DeviceMesh, plan: MeshPlan,
     units = fsdp_units(model, fsdp_units_rule)
     for unit in units:
         if compile:
-            unit.compile()
+            _compile(unit)
         fully_shard(unit, mesh=dp_mesh, mp_policy=policy)
         timer.attach_fsdp(unit)
     if compile and not units:
-        model.compile()
+        _compile(model)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)
     timer.attach_fsdp(model)
     return model, Prepared(strategy, precision, compile, len(units))
