@@ -36,6 +36,7 @@ from nbtrain.runtime.events import EventEmitter
 from nbtrain.runtime.faults import FaultInjector
 from nbtrain.runtime.function import TrainFunction
 from nbtrain.runtime.launch import RankLaunch
+from nbtrain.runtime.memory import state_memory
 from nbtrain.runtime.mesh import build_device_mesh, default_plan
 from nbtrain.runtime.nvml import monitor_device
 from nbtrain.runtime.output import OutputForwarder
@@ -88,6 +89,7 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
                                                  list(launch.faults)),
                           interval_s=settings.control_interval_s,
                           halt_on_nonfinite=launch.halt_on_nonfinite)
+        stepper.memory_probe = lambda: _memory(ctx)
         driver = _Driver(ctx, stepper, ckpt, emitter, t0)
         ctx._driver = driver
         result: Any = None
@@ -202,6 +204,19 @@ def _recipe_loop(recipe: Recipe, ctx: RankContext, stepper: Stepper, driver: _Dr
         if ending:
             break
     return stepper.outcome or "completed"
+
+
+def _memory(ctx: RankContext) -> dict[str, Any]:
+    """The ``memory`` event: this rank's state bytes, how its model was prepared, its RSS."""
+    info: dict[str, Any] = dict(state_memory(ctx._state))
+    how = ctx._prepared[-1] if ctx._prepared else None
+    info["strategy"] = how.strategy if how else ""
+    info["precision"] = how.precision if how else ""
+    with contextlib.suppress(Exception):
+        import psutil
+
+        info["rss_bytes"] = int(psutil.Process().memory_info().rss)
+    return info
 
 
 def _pickled_result(result: Any, limit: int) -> dict[str, Any]:
