@@ -133,7 +133,12 @@ class Stepper:
         self.emitter.step(row)
         if self.memory_probe is not None:
             probe, self.memory_probe = self.memory_probe, None
-            self.emitter.emit("memory", step=step, **probe())
+            try:
+                info = probe()
+            except Exception:  # a figure for the dashboard must never fail the step
+                info = None
+            if info is not None:
+                self.emitter.emit_aside("memory", step=step, **info)
         if ending:
             assert requests is not None
             self.outcome = ("halted" if requests["halt"] else
