@@ -6,9 +6,15 @@
 >>> nbtrain.export_checkpoint(job, "model.pt")         # one plain torch.save file
 
 A checkpoint holds what the job tracked (``ctx.track(model=..., optimizer=...)`` or what a
-Recipe's ``setup`` returned) plus nbtrain's own meta (data position, RNG, step). Data-parallel
-state is the same on every rank, so rank 0's shard is read; checksums are verified and files
-load with ``weights_only=True``, as when a job restores.
+Recipe's ``setup`` returned) plus nbtrain's own meta (data position, RNG, step). Sharded
+state (FSDP, TP) is put back together into full tensors: ``state["model"]`` loads into the
+plain, unwrapped model. The optimizer's state is keyed by parameter name (DCP's form, which
+is what lets it reshard); load it into a plain optimizer with
+``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict(model, opt,
+ckpt.state["optimizer"])``. Checksums are verified and files load with
+``weights_only=True``, as when a job restores. Checkpoints of format 1 (before sharded
+checkpoints) read rank 0's full copy, with the optimizer state as ``optimizer.state_dict()``
+gives it.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 
 import torch
 
+from nbtrain.runtime.dcp_read import load_full
 from nbtrain.runtime.storage import CheckpointError, CheckpointStore, split_checkpoint_url
 
 __all__ = ["Checkpoint", "export_checkpoint", "load_checkpoint"]
@@ -59,12 +66,15 @@ def load_checkpoint(source: Any, step: int | str = "latest") -> Checkpoint:
         chosen = step
     manifest = store.read_manifest(chosen)
     payload = store.load_shard(chosen, 0, manifest=manifest)
-    if not isinstance(payload, Mapping) or "state" not in payload:
+    if manifest.sharded:
+        state = load_full(store.dcp_reader(manifest))
+    elif not isinstance(payload, Mapping) or "state" not in payload:
         raise CheckpointError(manifest.path, "the shard holds no tracked state")
-    state = {str(k): _plain(v) for k, v in dict(payload["state"]).items()}
+    else:
+        state = {str(k): _plain(v) for k, v in dict(payload["state"]).items()}
     metadata = {"job": dict(manifest.job), "world_size": manifest.world_size,
                 "bytes": manifest.bytes, "created_unix": manifest.created_unix,
-                **dict(manifest.metadata)}
+                "format": manifest.version, **dict(manifest.metadata)}
     return Checkpoint(step=chosen, state=state, meta=dict(payload.get("meta", {})),
                       metadata=metadata, url=store.step_url(chosen))
 

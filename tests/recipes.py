@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -201,3 +202,51 @@ def per_rank_batch_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> No
         loss.backward()
         opt.step()
         ctx.report(loss=loss.item(), lr=opt.param_groups[0]["lr"], batch=float(len(x)))
+
+
+TP_PLAN = {"0": "colwise", "2": "rowwise"}  # make_model's two Linear layers
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every rank's full parameters, however the model is wrapped (a collective: call it on
+    every rank)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def parallel_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> dict[str, Any]:
+    """``Regression`` under any strategy and precision (``config``: strategy, precision,
+    compile, tp_plan, dtype, lr, batch, step_sleep, out_dir); saves each rank's full
+    parameters when the loop completes, returns the mesh and the losses."""
+    dtype = getattr(torch, config.get("dtype", "float64"))
+    model = ctx.prepare(make_model().to(dtype), strategy=config.get("strategy", "ddp"),
+                        precision=config.get("precision", "fp32"),
+                        compile=config.get("compile", False), tp_plan=config.get("tp_plan"))
+    opt = torch.optim.SGD(model.parameters(), lr=config.get("lr", 0.05), momentum=0.9)
+    ctx.track(model=model, optimizer=opt)
+    losses = []
+    for x, y in ctx.batches(regression_data(), global_batch_size=config.get("batch", 32)):
+        time.sleep(config.get("step_sleep", 0.0))
+        loss = F.mse_loss(model(x.to(dtype)), y.to(dtype))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        ctx.report(loss=losses[-1])
+    params = full_params(model)
+    if config.get("out_dir"):
+        out = Path(config["out_dir"])
+        torch.save({k: v.to(torch.float64) for k, v in params.items()}, out / f"rank{ctx.rank}.pt")
+        where = {"rank": ctx.rank, "dp_rank": ctx.dp_rank, "tp_rank": ctx.tp_rank,
+                 # the NVLink label of the worker this rank really runs in
+                 "worker_nvlink": os.environ.get("NBTRAIN_WORKER_NVLINK", ""),
+                 "tp_group": ctx.mesh["tp"].mesh.tolist() if "tp" in (
+                     ctx.mesh.mesh_dim_names or ()) else [ctx.rank],
+                 "nbtrain": nbtrain.__file__}
+        (out / f"rank{ctx.rank}.json").write_text(json.dumps(where))
+    from torch._dynamo.utils import counters
+
+    return {"mesh": ctx.mesh_info.to_dict() if ctx.mesh_info else None,
+            "describe": str(ctx.mesh_info), "losses": losses,
+            "compiled_graphs": int(counters["stats"]["unique_graphs"])}

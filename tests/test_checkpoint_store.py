@@ -222,7 +222,8 @@ def test_version_mismatch_names_both_versions(store: CheckpointStore) -> None:
     checkpoint(store, 1)
     checkpoint(store, 2)
     _forge_manifest(store, 2, version=99)
-    with pytest.raises(CheckpointError, match="format version 99, this nbtrain reads version 1"):
+    with pytest.raises(CheckpointError,
+                       match="format version 99, this nbtrain reads versions 1, 2"):
         store.read_manifest(2)
     res = store.restore_latest(1)
     assert res is not None and res.step == 1 and "version 99" in res.skipped[0][1]

@@ -18,6 +18,7 @@ from typing import Any
 import comm
 import numpy as np
 import pytest
+import torch
 from comm.base_comm import BaseComm
 
 import nbtrain
@@ -134,6 +135,8 @@ def test_widget_draws_every_row_of_a_real_job(watched: dict[str, Any]) -> None:
     bokeh_comm = dash.plots.comm
     assert patches(bokeh_comm) > 0
     assert all(b.disabled for b in dash.buttons.values())  # nothing to control any more
+    # each rank's training state, as the memory event reported it
+    assert "state per rank (ddp, fp32): r0 params" in dash.checkpoint_panel.value
 
 
 def test_poller_stops_only_after_the_last_rows(watched: dict[str, Any]) -> None:
@@ -147,6 +150,8 @@ def test_text_progress_prints_lines_and_the_end(watched: dict[str, Any]) -> None
     lines = text.strip().splitlines()
     assert any("step" in line and "/60" in line for line in lines)
     assert lines[-1].startswith("[watched] SUCCEEDED")
+    assert any(line.startswith("[watched] state per rank (ddp, fp32): r0 params")
+               for line in lines)
 
 
 def test_report_is_standalone_html_with_plots_and_summary(watched: dict[str, Any],
@@ -559,6 +564,41 @@ def test_views_show_confirmed_stragglers_and_suspects_on_demand(
         suspect = r"rank 2 suspect straggler in comm: \+\d\.\d ms/step \(peers ~0 ms\)"
         assert bool(re.search(suspect, shown)) is show_suspects
         assert ("rank 1 suspect" in shown) is show_suspects
+
+
+def test_eventlog_keeps_the_newest_generations_memory_per_rank() -> None:
+    log = EventLog()
+    mem = {"kind": "memory", "strategy": "fsdp", "precision": "fp32",
+           "optimizer_bytes": 2 * 1024 * 1024}
+    assert log.describe_memory() == ""
+    log.add({**mem, "rank": 0, "gen": 0, "params_bytes": 4 * 1024 * 1024})
+    log.add({**mem, "rank": 0, "gen": 1, "params_bytes": 1024 * 1024})
+    log.add({**mem, "rank": 1, "gen": 1, "params_bytes": 1024 * 1024})
+    log.add({**mem, "rank": 2, "gen": 0, "params_bytes": 9})  # late, from the old generation
+    assert sorted(log.memory) == [0, 1] and log.memory_generation == 1
+    assert log.describe_memory() == ("state per rank (fsdp, fp32): r0 params 1.0 MB + "
+                                     "optimizer 2.0 MB; r1 params 1.0 MB + optimizer 2.0 MB")
+    assert not log.alerts  # a panel line, not an alert
+    for rank in range(2, 10):
+        log.add({**mem, "rank": rank, "gen": 1, "params_bytes": 1024 * 1024})
+    text = log.describe_memory()
+    assert "r3 params" in text and "... 4 more ..." in text and "r9 params" in text
+    assert "r5 params" not in text
+
+
+def test_state_memory_counts_local_tensors_once() -> None:
+    from nbtrain.runtime.memory import state_memory
+
+    lin = torch.nn.Linear(4, 4).double()
+    model = torch.nn.Sequential(lin, torch.nn.Tanh(), lin)  # the same layer twice: tied
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    params = (16 + 4) * 8
+    assert state_memory({"model": model, "optimizer": opt}) == {
+        "params_bytes": params, "grads_bytes": 0, "optimizer_bytes": 0}
+    model(torch.ones(2, 4, dtype=torch.float64)).sum().backward()
+    opt.step()  # SGD creates its momentum buffers in its first step
+    assert state_memory({"model": model, "optimizer": opt, "extra": [model]}) == {
+        "params_bytes": params, "grads_bytes": params, "optimizer_bytes": params}
 
 
 def test_thin_rows_keeps_the_same_steps_on_every_rank() -> None:

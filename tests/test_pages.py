@@ -68,6 +68,9 @@ def test_the_owner_gets_controls_others_a_read_only_page(free_cluster: nbtrain.C
                 m.name for m in doc.roots[0].references()}
             assert "paged" in model(doc, "nbtrain-header").text
             assert len(model(doc, "steptime-r1").data["step"]) >= 10
+            # each rank's training state, from the memory events
+            assert "state per rank (ddp, fp32): r0 params" in model(
+                doc, "nbtrain-checkpoint-panel").text
         anyone = mine.url.split("&ticket=")[0]
         forged = anyone + "&ticket=not-a-ticket"
         for url in (anyone, forged):

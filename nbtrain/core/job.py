@@ -5,6 +5,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from nbtrain.core.mesh import layout_of, validate_mesh
+from nbtrain.core.placement import Layout
+
 
 class JobState(str, enum.Enum):
     """Lifecycle of a job as the controller sees it."""
@@ -62,6 +65,9 @@ class JobSpec:
     #: job, checkpointing nothing from that step on, so the newest committed checkpoint is
     #: the last good state).
     on_nonfinite: str = "alert"
+    #: The device mesh: ``{"dp": 2, "tp": 2}`` (``dp`` follows from the world size). TP
+    #: groups are placed inside an NVLink domain; None: data parallel over every rank.
+    mesh: dict[str, int] | None = None
     extra: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -101,11 +107,18 @@ class JobSpec:
         if self.on_nonfinite not in ("alert", "halt"):
             raise ValueError(f"on_nonfinite must be 'alert' or 'halt', got "
                              f"{self.on_nonfinite!r}")
+        if self.mesh is not None:
+            validate_mesh(self.mesh, self.world_size, sizes=self.bounds)
 
     @property
     def bounds(self) -> tuple[int, int]:
         """The sizes the job may run at: ``(min_size, max_size)``."""
         return (self.min_size or self.world_size, self.max_size or self.world_size)
+
+    @property
+    def layout(self) -> Layout:
+        """The placement layout the mesh asks for (TP degree)."""
+        return layout_of(self.mesh)
 
     @property
     def resizable(self) -> bool:
@@ -124,6 +137,7 @@ class JobSpec:
             "min_size": self.min_size, "max_size": self.max_size, "steps": self.steps,
             "seed": self.seed, "team": self.team,
             "priority": self.priority, "checkpoint": self.checkpoint,
+            "mesh": dict(self.mesh) if self.mesh else None,
         }
 
 

@@ -34,9 +34,10 @@ __all__ = [
 ]
 
 #: Kinds the rank runtime emits (``steps`` carries step rows, see ``core.records``; ``device``
-#: a GPU's NVML readings, kept for straggler verdicts and not logged).
+#: a GPU's NVML readings, kept for straggler verdicts and not logged; ``memory`` a rank's
+#: parameter, gradient and optimizer-state bytes after a generation's first step).
 RANK_KINDS = ("steps", "device", "rank_started", "checkpoint", "fault_injected", "rank_failed",
-              "rank_finished", "log", "data", "phase")
+              "rank_finished", "log", "data", "phase", "memory")
 #: Kinds the job machine emits.
 CONTROLLER_KINDS = ("state", "fault", "recovery", "preemption", "straggler", "mitigation",
                     "nonfinite", "resize", "slow")

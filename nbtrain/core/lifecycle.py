@@ -81,6 +81,7 @@ from nbtrain.core.lifecycle_types import (
     WorkerJoined,
     WorkerLeft,
 )
+from nbtrain.core.mesh import MeshPlan, RankPlace, mesh_plan
 from nbtrain.core.mitigation import ActionKind, SlotInfo
 from nbtrain.core.placement import Placement
 from nbtrain.core.pools import CPU, GPU, DevicePools
@@ -239,7 +240,7 @@ class JobMachine:
     def _admit(self, job: LiveJob) -> None:
         spec = job.spec
         request = JobRequest(job_id=job.id, size=spec.world_size, priority=spec.priority,
-                             team=spec.team,
+                             team=spec.team, layout=spec.layout,
                              min_size=spec.bounds[0] if spec.resizable else None)
         self._sched(Submit(self.now, request))
         if job.id not in self._jobs:  # rejected by the scheduler
@@ -372,7 +373,16 @@ class JobMachine:
         self._set_state(job, JobState.STARTING, f"generation {number}: {what}, "
                                                 f"{len(slots)} ranks")
         self._out.append(Launch(job.id, number, addresses, job.unfired_faults(),
-                                dict(gen.control), device=self._kind_of(job)))
+                                dict(gen.control), device=self._kind_of(job),
+                                mesh=self._mesh_plan(job, slots)))
+
+    def _mesh_plan(self, job: LiveJob, slots: tuple[str, ...]) -> MeshPlan:
+        """The generation's mesh on its slots (rank order is placement order)."""
+        places = []
+        for slot in slots:
+            rec = self.inventory.record(slot)
+            places.append(RankPlace(slot=slot, host=rec.host, nvlink=rec.nvlink or rec.host))
+        return mesh_plan(job.spec.mesh, places)
 
     def _busy_slots(self) -> set[str]:
         """Slots with a rank still running on them."""

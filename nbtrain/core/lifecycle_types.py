@@ -13,6 +13,7 @@ from typing import Any
 
 from nbtrain.core.faults import Fault
 from nbtrain.core.job import JobSpec
+from nbtrain.core.mesh import MeshPlan
 from nbtrain.core.mitigation import MitigationSettings
 
 __all__ = [
@@ -196,6 +197,8 @@ class Launch:
     faults: tuple[Fault, ...]
     control: Mapping[str, int]
     device: str = ""
+    #: The generation's device mesh: shape, names and where each rank runs.
+    mesh: MeshPlan | None = None
 
 
 @dataclass(frozen=True)

@@ -201,7 +201,8 @@ class Cluster:
                stragglers: str | MitigationSettings = "alert",
                device: str = "auto",
                on_nonfinite: str = "alert",
-               trackers: Sequence[str | TrackerSpec] | None = None) -> JobHandle:
+               trackers: Sequence[str | TrackerSpec] | None = None,
+               mesh: Mapping[str, int] | None = None) -> JobHandle:
         """Start a training job on ``world_size`` slots at once (gang), or queue it.
 
         ``recipe``: a training function ``train(ctx, config)`` with its own loop over
@@ -239,6 +240,11 @@ class Cluster:
         - ``trackers``: ``"tensorboard:LOGDIR"``, ``"mlflow:TRACKING_URI"`` (e.g.
           ``mlflow:file:///home/me/mlruns``): the controller writes every step's metrics
           and phase times, checkpoints and faults there (it must reach the target).
+        - ``mesh``: the device mesh, ``{"dp": 2, "tp": 2}`` (``dp`` follows from the world
+          size): each TP group is placed inside one NVLink domain (declared with worker
+          labels on CPU clusters), DP outermost; each rank gets ``ctx.mesh`` (a
+          ``DeviceMesh`` in that rank order) and ``ctx.mesh_info``. An elastic job resizes
+          in whole TP groups.
         """
         if self._closed:
             raise RuntimeError("this cluster is closed: call nbtrain.connect() again")
@@ -268,6 +274,7 @@ class Cluster:
                        priority=priority, team=team, checkpoint=checkpoint, resume=resume,
                        max_restarts=max_restarts, restart_window_s=restart_window_s,
                        on_nonfinite=on_nonfinite, device=device,
+                       mesh=dict(mesh) if mesh is not None else None,
                        extra={"kind": "recipe" if is_recipe else "function"})
         parse_checkpoint_setting(spec.checkpoint)  # raises ValueError naming the fix
         payload = _pickle_recipe(work)

@@ -377,7 +377,7 @@ class ClusterController(SchedulerPlugin):
                 settings=assets.settings, checkpoint=plan,
                 faults=tuple(f for f in c.faults if f.rank == rank), job_info=spec.describe(),
                 control=dict(c.control), halt_on_nonfinite=spec.on_nonfinite == "halt",
-                device=c.device)
+                device=c.device, mesh=c.mesh)
             fut = client.submit(
                 run_rank_task, launch, key=f"nbtrain-{c.job_id}-g{c.generation}-r{rank}",
                 workers=[address], allow_other_workers=False, pure=False, retries=0)

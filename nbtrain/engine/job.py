@@ -223,6 +223,23 @@ class JobHandle:
         shown with ``job.dashboard(show_suspects=True)``), "info" otherwise."""
         return [e for e in self.events if e["kind"] in ("straggler", "mitigation")]
 
+    @property
+    def memory(self) -> dict[int, dict[str, Any]]:
+        """Each rank's training state of the newest generation that reported it:
+        ``params_bytes``, ``grads_bytes``, ``optimizer_bytes`` (local shards: under FSDP a
+        rank holds its share), ``rss_bytes``, ``strategy``, ``precision``; by rank."""
+        newest: dict[int, dict[str, Any]] = {}
+        gen = -1
+        for e in self.events:
+            if e["kind"] != "memory":
+                continue
+            if int(e["gen"]) > gen:
+                newest, gen = {}, int(e["gen"])
+            if int(e["gen"]) == gen:
+                newest[int(e["rank"])] = {k: v for k, v in e.items()
+                                          if k not in ("kind", "job", "rank", "gen", "time")}
+        return newest
+
     def goodput(self) -> dict[str, float]:
         """Wall time split into productive steps, queueing, startup, checkpoint blocking,
         recovery and lost (recomputed) work, in seconds, plus the productive fraction (as of

@@ -41,6 +41,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbtrain.runtime.dcp_write import DcpShard, plan_shard
 from nbtrain.runtime.snapshot import HostSnapshotter
 from nbtrain.runtime.storage import DEFAULT_COMMIT_TIMEOUT_S, CheckpointError, CheckpointStore
 
@@ -89,6 +90,11 @@ class AsyncCheckpointer:
     writer_nice: niceness of the writer thread (Linux only; 0 leaves it alone). A nice writer
         takes CPU that training leaves idle, so on a busy machine persist is what slows down,
         not the training step; raise ``commit_timeout_s`` if many ranks share few cores.
+    layout: ``"dcp"``: ``state`` is a DCP state dict (see :mod:`nbtrain.runtime.dcp_state`)
+        and the checkpoint is written in DCP's layout (format 2): this rank copies and writes
+        only its shards and its share of the replicated values. ``"full"``: every rank's shard
+        holds its whole ``state`` (format 1, what nbtrain wrote before sharded checkpoints).
+    mesh_dims: the job's mesh, name -> (this rank's coordinate, size), for ``"dcp"``.
     """
 
     def __init__(
@@ -105,7 +111,11 @@ class AsyncCheckpointer:
         prune: bool = True,
         snapshotter: HostSnapshotter | None = None,
         writer_nice: int = DEFAULT_WRITER_NICE,
+        layout: str = "full",
+        mesh_dims: Mapping[str, tuple[int, int]] | None = None,
     ) -> None:
+        if layout not in ("full", "dcp"):
+            raise ValueError(f"layout must be 'dcp' or 'full', got {layout!r}")
         if not (isinstance(world_size, int) and world_size >= 1):
             raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
         if not (isinstance(rank, int) and 0 <= rank < world_size):
@@ -123,6 +133,8 @@ class AsyncCheckpointer:
         self.prune = prune
         self.snapshotter = snapshotter or HostSnapshotter()
         self.writer_nice = writer_nice
+        self.layout = layout
+        self.mesh_dims = dict(mesh_dims or {})
         self.results: list[SaveResult] = []  # every save, oldest first (small records)
         self._pending: Future[SaveResult] | None = None
         self._closed = False
@@ -164,16 +176,25 @@ class AsyncCheckpointer:
         self._drain()
         t1 = time.perf_counter()
         # CUDA copies are only queued here (the loop goes on); the writer waits for them.
-        snap = self.snapshotter.snapshot({"state": state, "meta": dict(meta or {})},
-                                         wait=False)
+        shard: DcpShard | None = None
+        if self.layout == "dcp":
+            shard = plan_shard(state, rank=self.rank, world_size=self.world_size,
+                               root_dims=self.mesh_dims)
+            snap = self.snapshotter.snapshot({"items": shard.tensors(),
+                                              "meta": dict(meta or {})}, wait=False)
+            nbytes = snap.nbytes + sum(len(i.data) for i in shard.items if i.kind == "bytes")
+        else:
+            snap = self.snapshotter.snapshot({"state": state, "meta": dict(meta or {})},
+                                             wait=False)
+            nbytes = snap.nbytes
         t2 = time.perf_counter()
-        result = SaveResult(step=step, bytes=snap.nbytes, blocking_s=t2 - t1, wait_s=t1 - t0)
+        result = SaveResult(step=step, bytes=nbytes, blocking_s=t2 - t1, wait_s=t1 - t0)
         self.results.append(result)
         self._emit(
             "snapshot",
             {
                 "step": step,
-                "bytes": snap.nbytes,
+                "bytes": nbytes,
                 "blocking_ms": result.blocking_s * 1e3,
                 "wait_ms": result.wait_s * 1e3,
                 "allocated_bytes": snap.allocated_bytes,
@@ -181,7 +202,7 @@ class AsyncCheckpointer:
         )
         fut: Future[SaveResult] = Future()
         self._pending = fut
-        self._queue.put((fut, result, snap, dict(manifest_metadata or {})))
+        self._queue.put((fut, result, snap, dict(manifest_metadata or {}), shard))
         return result
 
     def wait(self, timeout: float | None = None) -> SaveResult | None:
@@ -238,16 +259,22 @@ class AsyncCheckpointer:
             item = self._queue.get()
             if item is _STOP:
                 return
-            fut, result, snap, manifest_metadata = item
+            fut, result, snap, manifest_metadata, shard = item
             try:
                 snap.wait()  # the device-to-host copies, queued on the snapshot's side stream
-                self._persist(result, snap.state, manifest_metadata)
+                if shard is not None:
+                    host = snap.state
+                    self._persist(result, {"meta": host["meta"]}, manifest_metadata,
+                                  shard.with_tensors(host["items"]))
+                else:
+                    self._persist(result, snap.state, manifest_metadata)
             except BaseException as e:  # never let the writer die; report and go on
                 result.error = result.error or f"{type(e).__name__}: {e}"
             finally:
                 fut.set_result(result)
 
-    def _persist(self, result: SaveResult, payload: Any, manifest_metadata: dict[str, Any]) -> None:
+    def _persist(self, result: SaveResult, payload: Any, manifest_metadata: dict[str, Any],
+                 shard: DcpShard | None = None) -> None:
         step = result.step
         t0 = time.perf_counter()
         if self.store.is_committed(step):
@@ -258,7 +285,7 @@ class AsyncCheckpointer:
             return
         try:
             info = self.store.write_shard(
-                step, self.rank, self.world_size, payload, attempt=self.attempt
+                step, self.rank, self.world_size, payload, attempt=self.attempt, dcp=shard
             )
         except Exception as e:
             self._fail(result, "persist", e)

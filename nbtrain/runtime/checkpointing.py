@@ -5,15 +5,23 @@ plus this rank's RNG states, the global data position and the step. The policy d
 ``every_steps`` is deterministic across ranks, while time-based and auto decisions are agreed
 at the control agreement (a MAX over ranks), so every rank checkpoints the same step.
 
+Checkpoints are written in DCP's layout (format 2, :mod:`nbtrain.runtime.dcp_write`): the
+tracked state as DCP state dicts (:mod:`nbtrain.runtime.dcp_state`), replicated tensors once,
+sharded ones (FSDP, TP) by their owners; each rank's own file holds its RNG states, the data
+position and the step.
+
 Restore: each rank loads the newest committed checkpoint it can verify at or before the step
 the engine names; the ranks then agree (MIN/MAX all-reduce) on one step, falling back together
 if one of them could not load the newest, so no rank resumes from a different step.
 
-At another world size (an elastic resize, a recovery on fewer slots) the data-parallel state
-is the same in every shard, so rank r reads shard ``r % old world size``; the global data
-position is re-partitioned over the new ranks by the loader. RNG: a rank that existed when the
-checkpoint was taken restores its own RNG states; a new rank seeds torch, numpy and ``random``
-from (job seed, step, rank), so a run is reproducible for a given sequence of sizes.
+At another world size or mesh shape (an elastic resize, a recovery on fewer slots, a resume
+with another mesh) DCP's load planner reads, for each tensor this rank holds now, the parts
+of the saved chunks that overlap it (resharding); rank r reads the own file of rank
+``r % old world size`` for the data position, which the loader re-partitions over the new
+ranks. RNG: a rank that existed when the checkpoint was taken restores its own RNG states; a
+new rank seeds torch, numpy and ``random`` from (job seed, step, rank), so a run is
+reproducible for a given sequence of sizes. Checkpoints of format 1 (a full copy per rank)
+still restore into DDP jobs, reading shard ``r % old world size``.
 """
 
 from __future__ import annotations
@@ -27,11 +35,13 @@ import torch.distributed as dist
 
 from nbtrain.core.checkpoint_policy import CheckpointPolicy
 from nbtrain.runtime.async_ckpt import AsyncCheckpointer, SaveResult
+from nbtrain.runtime.dcp_read import load_into
+from nbtrain.runtime.dcp_state import apply_dcp_state, has_sharded_params, to_dcp_state
 from nbtrain.runtime.launch import CheckpointPlan
 from nbtrain.runtime.loader import PositionedLoader
 from nbtrain.runtime.rng import capture_rng_state, restore_rng_state, seed_rng
-from nbtrain.runtime.snapshot import load_state
-from nbtrain.runtime.storage import CheckpointStore
+from nbtrain.runtime.snapshot import SnapshotError, load_state
+from nbtrain.runtime.storage import CheckpointError, CheckpointStore, Manifest
 
 __all__ = ["CheckpointPlan", "RankCheckpointing"]
 
@@ -41,7 +51,8 @@ class RankCheckpointing:
                  job: dict[str, Any], on_event: Callable[[str, dict[str, Any]], None],
                  seed: int = 0,
                  state: dict[str, Any] | None = None,
-                 loader: PositionedLoader | None = None) -> None:
+                 loader: PositionedLoader | None = None,
+                 mesh_dims: dict[str, tuple[int, int]] | None = None) -> None:
         self.plan = plan
         self.rank = rank
         self.world_size = world_size
@@ -53,6 +64,7 @@ class RankCheckpointing:
         self.writer = AsyncCheckpointer(
             self.store, rank=rank, world_size=world_size, attempt=f"g{generation}",
             job=job, on_event=on_event, commit_timeout_s=plan.commit_timeout_s,
+            layout="dcp", mesh_dims=mesh_dims,
         )
         self.last_saved_step = -1
 
@@ -71,11 +83,8 @@ class RankCheckpointing:
         source, at = chosen
         skipped: list[tuple[int, str]] = []
         while True:
-            result = source.restore_latest(self.rank, world_size=self.world_size,
-                                           verify_all=False, at_or_before=at)
-            if result is not None:
-                skipped.extend(result.skipped)
-            step = result.step if result is not None else 0
+            loaded = self._load_newest(source, at, skipped)
+            step = loaded[0] if loaded is not None else 0
             agreed = torch.tensor([step, -step], dtype=torch.int64)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
             hi, lo = int(agreed[0]), -int(agreed[1])
@@ -83,23 +92,76 @@ class RankCheckpointing:
                 break
             at = lo  # someone could not load the newest: everyone falls back to its step
             if lo == 0:
-                result, step = None, 0
+                loaded, step = None, 0
                 break
-        if result is None or step == 0:
+        if loaded is None or step == 0:
             return 0, skipped
-        payload = result.payload
-        load_state(self.state, payload["state"])
-        meta = payload["meta"]
+        _, meta, shard_rank = loaded
         if self.loader is not None and "data" in meta:
             self.loader.load_state_dict(meta["data"])
-        assert result is not None
-        if "rng" in meta and result.shard_rank == self.rank:
+        if "rng" in meta and shard_rank == self.rank:
             restore_rng_state(meta["rng"])
         else:
             seed_rng(self.seed, step, self.rank)
         self.policy = CheckpointPolicy(self.plan.policy, now=time.monotonic(), step=step)
         self.last_saved_step = step
         return step, skipped
+
+    def _load_newest(self, store: CheckpointStore, at: int | None,
+                     skipped: list[tuple[int, str]]) -> tuple[int, dict[str, Any], int] | None:
+        """Load the newest intact committed checkpoint at or before ``at`` into the tracked
+        state: (step, this rank's meta, the rank whose own file it read). Corrupt, partial
+        and unreadable checkpoints are skipped (and listed); None when there is none."""
+        reasons: list[str] = []
+        for step in store.committed():
+            if at is not None and step > at:
+                continue
+            try:
+                manifest = store.read_manifest(step)
+                shard = self.rank % manifest.world_size
+                if manifest.sharded:
+                    meta = self._load_sharded(store, manifest, shard)
+                else:
+                    meta = self._load_full_copy(store, manifest, shard)
+            except CheckpointError as e:
+                if (step, str(e)) not in skipped:
+                    skipped.append((step, str(e)))
+                reasons.append(str(e))
+                continue
+            return step, meta, shard
+        if reasons:
+            raise CheckpointError(store.url, "no loadable checkpoint: " + "; ".join(reasons))
+        return None
+
+    def _load_sharded(self, store: CheckpointStore, manifest: Manifest,
+                      shard: int) -> dict[str, Any]:
+        payload = store.load_shard(manifest.step, shard, manifest=manifest)
+        reader = store.dcp_reader(manifest)
+        target = to_dcp_state(self.state)
+        try:
+            load_into(target, reader)
+        except (CheckpointError, SnapshotError):
+            raise
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise SnapshotError(
+                f"the checkpoint at step {manifest.step} ({store.step_url(manifest.step)}) "
+                f"does not fit the tracked state: {e}; restore it with the model and "
+                "optimizer that wrote it (the same names and shapes)") from e
+        apply_dcp_state(self.state, target)
+        return dict(payload.get("meta") or {})
+
+    def _load_full_copy(self, store: CheckpointStore, manifest: Manifest,
+                        shard: int) -> dict[str, Any]:
+        if has_sharded_params(self.state):
+            raise CheckpointError(
+                manifest.path,
+                "written in nbtrain's checkpoint format 1 (a full copy of a DDP job's state "
+                "per rank, before sharded checkpoints), which restores into DDP models only: "
+                "resume it with strategy='ddp', let the job checkpoint once (format 2), then "
+                "resume that checkpoint with FSDP or TP")
+        payload = store.load_shard(manifest.step, shard, manifest=manifest)
+        load_state(self.state, payload["state"])
+        return dict(payload.get("meta") or {})
 
     def _restore_source(self) -> tuple[CheckpointStore, int | None] | None:
         """The first of the plan's sources that holds a committed checkpoint (the job's own
@@ -127,8 +189,8 @@ class RankCheckpointing:
         meta: dict[str, Any] = {"rng": capture_rng_state(), "step": step}
         if self.loader is not None:
             meta["data"] = self.loader.state_dict()
-        # The snapshotter calls each object's state_dict() itself.
-        result = self.writer.save(step, self.state, meta,
+        # Only the live tensors' references: the writer copies what this rank writes.
+        result = self.writer.save(step, to_dcp_state(self.state), meta,
                                   manifest_metadata={"step": step})
         self.policy.record(step, time.monotonic(), cost_s=result.stall_s)
         self.last_saved_step = step

@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
+from nbtrain.core.mesh import MeshPlan
 from nbtrain.runtime.loader import PositionedLoader, ShardedLoader
 from nbtrain.runtime.lr_rules import LRScaling
+from nbtrain.runtime.parallel import Prepared, UnitRule, prepare_model
 from nbtrain.runtime.stepper import Stepper
 from nbtrain.runtime.stream import StreamLoader
 from nbtrain.runtime.timing import PhaseTimer
@@ -59,6 +60,10 @@ class RankContext:
     #: The size the job was submitted with (the reference of :meth:`scale_lr`).
     base_world_size: int = 0
     timer: PhaseTimer = field(default_factory=PhaseTimer)
+    #: The generation's mesh: its shape and where each rank runs (``print(ctx.mesh_info)``).
+    mesh_info: MeshPlan | None = None
+    _mesh: Any = None  # the DeviceMesh, built by the rank task after the process group
+    _prepared: list[Prepared] = field(default_factory=list)
     _loader: PositionedLoader | None = None
     _lr: LRScaling | None = None
     _state: dict[str, Any] = field(default_factory=dict)  # what checkpoints hold
@@ -70,16 +75,69 @@ class RankContext:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def prepare(self, model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.Module:
-        """Move ``model`` to this rank's device and wrap it in DistributedDataParallel.
+    @property
+    def mesh(self) -> Any:
+        """The job's ``torch.distributed.device_mesh.DeviceMesh`` (``ctx.mesh["tp"]``,
+        ``ctx.mesh["dp"]``): rank order follows the placement, so a TP group is the ranks
+        placed inside one NVLink domain. One "dp" dimension when submitted without ``mesh``."""
+        if self._mesh is None:
+            raise RuntimeError("ctx.mesh exists inside a job's rank, after its process group "
+                               "started (in setup() or the training function)")
+        return self._mesh
 
-        DDP broadcasts rank 0's parameters at construction, so every rank starts equal.
+    def _coord(self, dim: str) -> tuple[int, int]:
+        plan = self.mesh_info
+        if plan is None:
+            return (self.rank, self.world_size) if dim == "dp" else (0, 1)
+        return plan.coords(self.rank).get(dim, 0), plan.size(dim)
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: the ranks of one TP group share it (and their
+        batches)."""
+        return self._coord("dp")[0]
+
+    @property
+    def dp_size(self) -> int:
+        """The number of data-parallel replicas: ``world_size // tp``."""
+        return self._coord("dp")[1]
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's index inside its TP group (0 without TP)."""
+        return self._coord("tp")[0]
+
+    def prepare(self, model: torch.nn.Module, *, strategy: str = "ddp",
+                precision: str = "fp32", compile: bool = False,
+                tp_plan: dict[str, Any] | None = None, fsdp_units: UnitRule = None,
+                **ddp_kwargs: Any) -> torch.nn.Module:
+        """Move ``model`` to this rank's device and wrap it for the job's mesh.
+
+        - ``strategy="ddp"`` (default): DistributedDataParallel, which broadcasts rank 0's
+          parameters, so every rank starts equal. Extra keyword arguments go to DDP.
+        - ``"fsdp"``: FSDP2 ``fully_shard``: parameters, gradients and optimizer state
+          sharded over the ranks, one unit per block (``fsdp_units``; the rule is in
+          :mod:`nbtrain.runtime.parallel`). Build the model with the same seed on every rank
+          (FSDP shards each rank's own copy; it does not broadcast).
+        - ``"tp+fsdp"``: tensor parallelism on the mesh's ``tp`` dimension with ``tp_plan``
+          (``{"layers.0.ff1": "colwise", "layers.0.ff2": "rowwise"}``, or
+          ``torch.distributed.tensor.parallel`` styles), then FSDP2 on ``dp``.
+        - ``precision="bf16-mixed"``: bfloat16 compute, parameters and gradient reduction
+          in the model's dtype, float32 outputs.
+        - ``compile=True``: ``torch.compile`` (per FSDP unit, or the whole model under DDP).
+
+        Create the optimizer from the returned model's parameters, after ``prepare``.
         """
-        model = model.to(self.device)
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        ddp = DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
-        self.timer.attach_ddp(ddp)
-        return ddp
+        if self._mesh is None:
+            raise RuntimeError("ctx.prepare(...) runs inside a job's rank (setup() or the "
+                               "training function)")
+        assert self.mesh_info is not None
+        prepared, how = prepare_model(
+            model, mesh=self._mesh, plan=self.mesh_info, device=self.device, timer=self.timer,
+            strategy=strategy, precision=precision, compile=compile, tp_plan=tp_plan,
+            fsdp_units_rule=fsdp_units, ddp_kwargs=ddp_kwargs)
+        self._prepared.append(how)
+        return prepared
 
     def loader(
         self,
@@ -97,8 +155,8 @@ class RankContext:
         loader = ShardedLoader(
             dataset,
             global_batch_size=global_batch_size,
-            rank=self.rank,
-            world_size=self.world_size,
+            rank=self.dp_rank,
+            world_size=self.dp_size,
             seed=self.seed,
             shuffle=shuffle,
             drop_last=drop_last,
@@ -155,7 +213,7 @@ class RankContext:
         """The training loop: one step per iteration, each with this rank's batch.
 
         With ``global_batch_size`` (or ``batch_size``, per rank: the global batch is then
-        ``batch_size * world_size`` and changes with a resize; see :meth:`scale_lr`) nbtrain
+        ``batch_size * dp_size`` and changes with a resize; see :meth:`scale_lr`) nbtrain
         shards each global batch over the ranks, and the global data position is part of
         every checkpoint: every sample of an epoch is used exactly once across restarts and
         resizes, at any world size.
@@ -169,6 +227,9 @@ class RankContext:
           takes its own batches and the position is not restored (a resumed job starts it
           from its beginning).
 
+        With a ``tp`` mesh dimension the batch is split over the data-parallel replicas
+        (``dp_size``): the ranks of one TP group get the same batch.
+
         A global batch that does not divide by the world size is split as evenly as it goes
         (sizes differ by one) and the gradient all-reduce weighs each rank by its share, so
         the step equals one over the whole global batch.
@@ -180,7 +241,7 @@ class RankContext:
             if global_batch_size is not None:
                 raise TypeError("ctx.batches(...): give global_batch_size (kept at every world "
                                 "size) or batch_size (per rank), not both")
-            global_batch_size = batch_size * self.world_size
+            global_batch_size = batch_size * self.dp_size
         if global_batch_size is None:
             if isinstance(data, Dataset) or (hasattr(data, "__getitem__")
                                              and hasattr(data, "__len__")):
@@ -198,7 +259,7 @@ class RankContext:
                                  "is read by every rank (see nbtrain.runtime.stream)")
             self._loader = StreamLoader(data,  # type: ignore[arg-type]
                                         global_batch_size=global_batch_size,
-                                        rank=self.rank, world_size=self.world_size,
+                                        rank=self.dp_rank, world_size=self.dp_size,
                                         drop_last=drop_last, collate_fn=collate_fn)
         return self._loop(self.next_batch)
 

@@ -58,6 +58,13 @@ class EventEmitter:
             self._flush_locked(time.monotonic())
             self._send(kind, info)
 
+    def emit_aside(self, kind: str, **info: Any) -> None:
+        """Send a non-step event now, leaving buffered steps buffered: for an event whose
+        order relative to step rows does not matter (a flush per such event would break the
+        step batches)."""
+        with self._lock:
+            self._send(kind, info)
+
     def _flush_locked(self, now: float) -> None:
         self._last_flush = now
         if self._rows:

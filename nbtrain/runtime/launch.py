@@ -13,6 +13,7 @@ from typing import Any
 from nbtrain.config import Settings
 from nbtrain.core.checkpoint_policy import CheckpointPolicyConfig
 from nbtrain.core.faults import Fault
+from nbtrain.core.mesh import MeshPlan
 
 __all__ = ["CheckpointPlan", "RankLaunch"]
 
@@ -56,3 +57,5 @@ class RankLaunch:
     device: str = ""
     #: Take no checkpoint once a reported metric was NaN or infinite (on_nonfinite="halt").
     halt_on_nonfinite: bool = False
+    #: The generation's device mesh and where each rank runs (None: one "dp" dimension).
+    mesh: MeshPlan | None = None

@@ -36,6 +36,8 @@ from nbtrain.runtime.events import EventEmitter
 from nbtrain.runtime.faults import FaultInjector
 from nbtrain.runtime.function import TrainFunction
 from nbtrain.runtime.launch import RankLaunch
+from nbtrain.runtime.memory import state_memory
+from nbtrain.runtime.mesh import build_device_mesh, default_plan
 from nbtrain.runtime.nvml import monitor_device
 from nbtrain.runtime.output import OutputForwarder
 from nbtrain.runtime.recipe import Recipe
@@ -54,10 +56,11 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
     threads = settings.rank_threads or max(1, (os.cpu_count() or 1) // max(1, launch.host_slots))
     torch.set_num_threads(threads)
     device = _device(launch.device)
+    mesh_plan = launch.mesh or default_plan(launch.world_size, host)
     ctx = RankContext(job_id=launch.job_id, rank=launch.rank, world_size=launch.world_size,
                       generation=launch.generation, device=device, seed=launch.seed, host=host,
                       base_world_size=int((launch.job_info or {}).get("world_size")
-                                          or launch.world_size))
+                                          or launch.world_size), mesh_info=mesh_plan)
     recipe: Recipe | None = None
     control: ControlChannel | None = None
     ckpt: RankCheckpointing | None = None
@@ -68,6 +71,7 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
         t0 = time.perf_counter()
         client = get_client()
         store = _init_process_group(launch, host, device, settings, client)
+        ctx._mesh = build_device_mesh(mesh_plan, device)
         emitter.emit("phase", phase="setup")  # for the controller's startup watchdog
         control = ControlChannel(launch.job_id, launch.rank, launch.generation, client,
                                  settings.control_poll_s, device, initial=launch.control)
@@ -76,13 +80,16 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
             ckpt = RankCheckpointing(
                 launch.checkpoint, rank=launch.rank, world_size=launch.world_size,
                 generation=launch.generation, job=launch.job_info or {}, seed=launch.seed,
-                on_event=lambda kind, info: emitter.emit("checkpoint", phase=kind, **info))
+                on_event=lambda kind, info: emitter.emit("checkpoint", phase=kind, **info),
+                mesh_dims={name: (c, mesh_plan.size(name))
+                           for name, c in mesh_plan.coords(launch.rank).items()})
         stepper = Stepper(timer=ctx.timer, steps=launch.steps, control=control, emitter=emitter,
                           checkpointing=ckpt,
                           injector=FaultInjector(launch.job_id, launch.rank,
                                                  list(launch.faults)),
                           interval_s=settings.control_interval_s,
                           halt_on_nonfinite=launch.halt_on_nonfinite)
+        stepper.memory_probe = lambda: _memory(ctx)
         driver = _Driver(ctx, stepper, ckpt, emitter, t0)
         ctx._driver = driver
         result: Any = None
@@ -197,6 +204,19 @@ def _recipe_loop(recipe: Recipe, ctx: RankContext, stepper: Stepper, driver: _Dr
         if ending:
             break
     return stepper.outcome or "completed"
+
+
+def _memory(ctx: RankContext) -> dict[str, Any]:
+    """The ``memory`` event: this rank's state bytes, how its model was prepared, its RSS."""
+    info: dict[str, Any] = dict(state_memory(ctx._state))
+    how = ctx._prepared[-1] if ctx._prepared else None
+    info["strategy"] = how.strategy if how else ""
+    info["precision"] = how.precision if how else ""
+    with contextlib.suppress(Exception):
+        import psutil
+
+        info["rss_bytes"] = int(psutil.Process().memory_info().rss)
+    return info
 
 
 def _pickled_result(result: Any, limit: int) -> dict[str, Any]:

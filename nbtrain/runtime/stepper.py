@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 from nbtrain.runtime.checkpointing import RankCheckpointing
@@ -59,6 +60,9 @@ class Stepper:
         #: A reported metric was NaN/inf: under halt_on_nonfinite nothing is saved from then
         #: on (the controller's halt arrives at the next agreement, a few steps later).
         self.tainted = False
+        #: Measures the rank's state after the generation's first step (the ``memory``
+        #: event); called once.
+        self.memory_probe: Callable[[], dict[str, Any]] | None = None
 
     def start(self, step: int) -> None:
         """The loop starts at ``step`` (0, or the restored checkpoint's step)."""
@@ -127,6 +131,14 @@ class Stepper:
         if metrics:
             row.append({k: float(v) for k, v in metrics.items()})
         self.emitter.step(row)
+        if self.memory_probe is not None:
+            probe, self.memory_probe = self.memory_probe, None
+            try:
+                info = probe()
+            except Exception:  # a figure for the dashboard must never fail the step
+                info = None
+            if info is not None:
+                self.emitter.emit_aside("memory", step=step, **info)
         if ending:
             assert requests is not None
             self.outcome = ("halted" if requests["halt"] else

@@ -1,17 +1,26 @@
 """Committed checkpoints on any fsspec storage, with a two-phase commit.
 
-Layout under the root URL::
+Layout under the root URL (format 2, the one jobs write)::
 
-    step-00000123/rank-00000-of-00002.pt     shard: torch.save of {header..., "payload": ...}
-    step-00000123/rank-00000-of-00002.json   receipt: the shard's size and sha256
+    step-00000123/__0_0.distcp               rank 0's tensor chunks and objects (DCP's layout)
+    step-00000123/rank-00000-of-00002.pt     rank 0's own: RNG states, data position, step
+    step-00000123/rank-00000-of-00002.json   receipt: the rank's files, sizes, sha256, index
+    step-00000123/.metadata                  DCP's metadata (pickle), for DCP's own readers
+    step-00000123/dcp-index.json             the same as JSON, what nbtrain reads
     step-00000123/manifest.json              written last: the checkpoint is committed
 
-Phase one: every rank writes its shard under a temporary name, flushes and fsyncs it (local
-files), renames it into place, then writes its receipt the same way; a receipt therefore
-proves its shard is durable. Phase two: one rank waits (with a deadline) for all receipts of
-the same attempt, and writes the manifest, again atomically. A checkpoint is committed when
-its manifest is present and valid; a crash at any moment leaves either a committed checkpoint
-or a directory without a manifest, which readers ignore and ``cleanup_incomplete`` removes.
+The step directory is a ``torch.distributed.checkpoint`` checkpoint (``dcp.load``,
+``dcp_to_torch_save``): replicated tensors once, sharded tensors per owner (see
+:mod:`nbtrain.runtime.dcp_write`). Format 1, written before sharded checkpoints, has no DCP
+files: each rank's ``.pt`` shard holds a full copy of the state; it is still read.
+
+Phase one: every rank writes its files under temporary names, flushes and fsyncs them (local
+files), renames them into place, then writes its receipt the same way; a receipt therefore
+proves its files are durable. Phase two: one rank waits (with a deadline) for all receipts of
+the same attempt, writes DCP's metadata and the index from them, then the manifest, each
+atomically. A checkpoint is committed when its manifest is present and valid; a crash at any
+moment leaves either a committed checkpoint or a directory without a manifest, which readers
+ignore and ``cleanup_incomplete`` removes.
 
 Reading verifies the manifest's own checksum, each shard's size and sha256, and loads with
 ``torch.load(..., weights_only=True)``, so a checkpoint directory cannot run code. Problems
@@ -25,6 +34,7 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
 import posixpath
 import re
 import time
@@ -36,6 +46,17 @@ from typing import Any, BinaryIO
 import fsspec
 import torch
 from fsspec.core import url_to_fs
+
+from nbtrain.runtime.dcp_read import IndexReader, sha256_of
+from nbtrain.runtime.dcp_write import (
+    INDEX_FILE,
+    METADATA_FILE,
+    DcpShard,
+    data_file,
+    index_from_receipts,
+    metadata_from_index,
+    write_items,
+)
 
 __all__ = [
     "FORMAT_NAME",
@@ -49,7 +70,10 @@ __all__ = [
 ]
 
 FORMAT_NAME = "nbtrain-checkpoint"
-FORMAT_VERSION = 1
+#: 1: each rank's shard a full copy of the state; 2: DCP layout (sharded, replicated once).
+FORMAT_VERSION = 2
+FULL_COPY_VERSION = 1
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 DEFAULT_COMMIT_TIMEOUT_S = 600.0  # longer than the slowest rank's persist of one shard
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
@@ -80,16 +104,34 @@ class ShardInfo:
 class Manifest:
     step: int
     world_size: int
-    shards: tuple[ShardInfo, ...]
+    shards: tuple[ShardInfo, ...]  # each rank's own file (format 1: its full copy)
     job: dict[str, Any]
     metadata: dict[str, Any]
     attempt: str
     created_unix: float
     path: str
+    version: int = FULL_COPY_VERSION
+    #: Format 2: the DCP files (data files by rank; ``.metadata`` and the index rank -1).
+    files: tuple[ShardInfo, ...] = ()
 
     @property
     def bytes(self) -> int:
-        return sum(s.bytes for s in self.shards)
+        return sum(s.bytes for s in self.shards) + sum(f.bytes for f in self.files)
+
+    @property
+    def sharded(self) -> bool:
+        """Written in DCP's layout (format 2)."""
+        return self.version >= 2
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """What a rank's receipt says: its own shard, its DCP data file, and that file's index
+    entries (``dcp``: ``{"entries", "held", "paths"}``)."""
+
+    shard: ShardInfo
+    files: tuple[ShardInfo, ...] = ()
+    dcp: dict[str, Any] | None = None
 
 
 @dataclass
@@ -222,10 +264,14 @@ class CheckpointStore:
 
     # -- phase one ----------------------------------------------------------------------------
     def write_shard(
-        self, step: int, rank: int, world_size: int, payload: Any, *, attempt: str = ""
+        self, step: int, rank: int, world_size: int, payload: Any, *, attempt: str = "",
+        dcp: DcpShard | None = None,
     ) -> ShardInfo:
-        """Persist this rank's shard and its receipt. Blocking; call it off the training loop.
+        """Persist this rank's files and its receipt. Blocking; call it off the training loop.
 
+        payload: the rank's own shard (format 2: its meta; format 1: everything).
+        dcp: the rank's part of a DCP-layout checkpoint (format 2); its data file is written
+            first, and its index entries go into the receipt for the committer.
         attempt: an id shared by the ranks of one save (e.g. job generation): the committer
             only accepts receipts of its own attempt, never a stale shard of a crashed one.
         """
@@ -238,10 +284,25 @@ class CheckpointStore:
                 "overwritten (take the next checkpoint at a later step)",
             )
         self.fs.makedirs(sdir, exist_ok=True)
+        version = FORMAT_VERSION if dcp is not None else FULL_COPY_VERSION
+        files: list[ShardInfo] = []
+        part: dict[str, Any] | None = None
+        if dcp is not None:
+            dname = data_file(rank)
+            entries: list[dict[str, Any]] = []
+
+            def write_data(f: BinaryIO) -> None:
+                hw = _HashingWriter(f)
+                entries.extend(write_items(hw, dcp, dname))
+                files.append(ShardInfo(rank=rank, file=dname, bytes=hw.count,
+                                       sha256=hw.sha.hexdigest()))
+
+            self._write_atomic(f"{sdir}/{dname}", write_data)
+            part = {"entries": entries, "held": dcp.held, "paths": dcp.paths}
         name = shard_name(rank, world_size)
         obj = {
             "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
+            "version": version,
             "step": step,
             "rank": rank,
             "world_size": world_size,
@@ -256,9 +317,9 @@ class CheckpointStore:
 
         self._write_atomic(f"{sdir}/{name}", write)
         info = ShardInfo(rank=rank, file=name, bytes=box[0].count, sha256=box[0].sha.hexdigest())
-        receipt = {
+        receipt: dict[str, Any] = {
             "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
+            "version": version,
             "step": step,
             "world_size": world_size,
             "attempt": attempt,
@@ -267,6 +328,10 @@ class CheckpointStore:
             "bytes": info.bytes,
             "sha256": info.sha256,
         }
+        if part is not None:
+            receipt["files"] = [{"file": f.file, "bytes": f.bytes, "sha256": f.sha256}
+                                for f in files]
+            receipt["dcp"] = part
         self._write_json(f"{sdir}/{name[:-3]}.json", receipt)
         return info
 
@@ -312,21 +377,22 @@ class CheckpointStore:
         poll_s: float = 0.02,
         cancelled: Callable[[], bool] | None = None,
     ) -> Manifest:
-        """Wait until every rank's receipt of ``attempt`` is there, then write the manifest."""
+        """Wait until every rank's receipt of ``attempt`` is there, then (format 2) write
+        DCP's metadata and the index, then the manifest."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         sdir = self.step_dir(step)
         deadline = time.monotonic() + timeout_s
-        shards: dict[int, ShardInfo] = {}
+        receipts: dict[int, Receipt] = {}
         while True:
             for rank in range(world_size):
-                if rank not in shards:
-                    info = self._read_receipt(step, rank, world_size, attempt)
-                    if info is not None:
-                        shards[rank] = info
-            if len(shards) == world_size:
+                if rank not in receipts:
+                    got = self._read_receipt(step, rank, world_size, attempt)
+                    if got is not None:
+                        receipts[rank] = got
+            if len(receipts) == world_size:
                 break
-            missing = sorted(set(range(world_size)) - set(shards))
+            missing = sorted(set(range(world_size)) - set(receipts))
             for rank in missing:
                 why = self._read_failure(step, rank, world_size, attempt)
                 if why is not None:
@@ -344,14 +410,23 @@ class CheckpointStore:
             if cancelled is not None and cancelled():
                 raise CheckpointError(sdir, f"commit cancelled while waiting for ranks {missing}")
             time.sleep(poll_s)
-        for info in shards.values():
-            size = self.fs.size(f"{sdir}/{info.file}")
-            if size != info.bytes:
-                raise CheckpointError(
-                    f"{sdir}/{info.file}",
-                    f"shard has {size} bytes but its receipt says {info.bytes}; not committing",
-                )
-        body = {
+        for rec in receipts.values():
+            for info in (rec.shard, *rec.files):
+                size = self.fs.size(f"{sdir}/{info.file}")
+                if size != info.bytes:
+                    raise CheckpointError(
+                        f"{sdir}/{info.file}",
+                        f"file has {size} bytes but its receipt says {info.bytes}; not "
+                        "committing",
+                    )
+        sharded = [r for r in receipts.values() if r.dcp is not None]
+        if sharded and len(sharded) != world_size:
+            raise CheckpointError(sdir, "some ranks wrote DCP data files and some did not; "
+                                        "not committing")
+        files: list[ShardInfo] = [f for r in sorted(receipts) for f in receipts[r].files]
+        if sharded:
+            files += self._write_dcp_metadata(step, receipts, attempt)
+        body: dict[str, Any] = {
             "step": step,
             "world_size": world_size,
             "attempt": attempt,
@@ -360,22 +435,49 @@ class CheckpointStore:
             "metadata": dict(metadata or {}),
             "shards": [
                 {"rank": s.rank, "file": s.file, "bytes": s.bytes, "sha256": s.sha256}
-                for s in sorted(shards.values(), key=lambda s: s.rank)
+                for s in sorted((r.shard for r in receipts.values()), key=lambda s: s.rank)
             ],
         }
+        version = FULL_COPY_VERSION
+        if sharded:
+            version = FORMAT_VERSION
+            body["layout"] = "dcp"
+            body["files"] = [{"rank": f.rank, "file": f.file, "bytes": f.bytes,
+                              "sha256": f.sha256} for f in files]
         try:
             digest = hashlib.sha256(_canonical(body)).hexdigest()
         except TypeError as e:
             raise ValueError(
                 f"job spec and metadata must be JSON-serializable for the manifest: {e}"
             ) from e
-        doc = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "body": body, "sha256": digest}
+        doc = {"format": FORMAT_NAME, "version": version, "body": body, "sha256": digest}
         self._write_json(f"{sdir}/{MANIFEST}", doc)
-        return self._manifest_from(body, f"{sdir}/{MANIFEST}")
+        return self._manifest_from(body, f"{sdir}/{MANIFEST}", version)
+
+    def _write_dcp_metadata(self, step: int, receipts: Mapping[int, Receipt],
+                            attempt: str) -> list[ShardInfo]:
+        """The index (JSON) and DCP's ``.metadata`` (pickle) from the ranks' receipts."""
+        sdir = self.step_dir(step)
+
+        def fail(why: str) -> CheckpointError:
+            return CheckpointError(sdir, f"not committing: {why}")
+
+        index = index_from_receipts({r: rec.dcp or {} for r, rec in receipts.items()}, fail)
+        meta = metadata_from_index(index, checkpoint_id=self.step_url(step), save_id=attempt)
+        out: list[ShardInfo] = []
+        for name, data in ((INDEX_FILE, json.dumps(index, sort_keys=True).encode()),
+                           (METADATA_FILE, pickle.dumps(meta))):
+            def write(f: BinaryIO, data: bytes = data) -> None:
+                f.write(data)
+
+            self._write_atomic(f"{sdir}/{name}", write)
+            out.append(ShardInfo(rank=-1, file=name, bytes=len(data),
+                                 sha256=hashlib.sha256(data).hexdigest()))
+        return out
 
     def _read_receipt(
         self, step: int, rank: int, world_size: int, attempt: str
-    ) -> ShardInfo | None:
+    ) -> Receipt | None:
         path = f"{self.step_dir(step)}/{shard_name(rank, world_size)[:-3]}.json"
         try:
             with self.fs.open(path, "rb") as f:
@@ -387,14 +489,18 @@ class CheckpointStore:
         if not isinstance(doc, dict) or doc.get("attempt") != attempt or doc.get("step") != step:
             return None
         try:
-            return ShardInfo(
+            shard = ShardInfo(
                 rank=int(doc["rank"]),
                 file=str(doc["file"]),
                 bytes=int(doc["bytes"]),
                 sha256=str(doc["sha256"]),
             )
+            files = tuple(ShardInfo(rank=shard.rank, file=str(f["file"]), bytes=int(f["bytes"]),
+                                    sha256=str(f["sha256"])) for f in doc.get("files", ()))
         except (KeyError, TypeError, ValueError):
             return None
+        dcp = doc.get("dcp")
+        return Receipt(shard=shard, files=files, dcp=dcp if isinstance(dcp, dict) else None)
 
     # -- reading ------------------------------------------------------------------------------
     def read_manifest(self, step: int) -> Manifest:
@@ -411,11 +517,13 @@ class CheckpointStore:
             raise CheckpointError(path, f"manifest is not valid JSON ({e}): corrupt") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise CheckpointError(path, "not an nbtrain checkpoint manifest (foreign file)")
-        if doc.get("version") != FORMAT_VERSION:
+        version = doc.get("version")
+        if version not in READABLE_VERSIONS:
             raise CheckpointError(
                 path,
-                f"checkpoint format version {doc.get('version')!r}, this nbtrain reads version "
-                f"{FORMAT_VERSION}: load it with the nbtrain version that wrote it",
+                f"checkpoint format version {version!r}, this nbtrain reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}: load it with the nbtrain version "
+                "that wrote it",
             )
         body = doc.get("body")
         try:
@@ -431,21 +539,23 @@ class CheckpointStore:
                 f", but it lies in the directory of step {step}",
             )
         try:
-            return self._manifest_from(body, path)
+            return self._manifest_from(body, path, int(version))
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(path, f"manifest is missing or has a bad field: {e!r}") from None
 
     @staticmethod
-    def _manifest_from(body: Mapping[str, Any], path: str) -> Manifest:
-        shards = tuple(
-            ShardInfo(
-                rank=int(s["rank"]),
-                file=str(s["file"]),
-                bytes=int(s["bytes"]),
-                sha256=str(s["sha256"]),
-            )
-            for s in body["shards"]
-        )
+    def _manifest_from(body: Mapping[str, Any], path: str,
+                       version: int = FULL_COPY_VERSION) -> Manifest:
+        def infos(entries: Any) -> tuple[ShardInfo, ...]:
+            return tuple(ShardInfo(rank=int(s["rank"]), file=str(s["file"]),
+                                   bytes=int(s["bytes"]), sha256=str(s["sha256"]))
+                         for s in entries)
+
+        shards = infos(body["shards"])
+        files = infos(body.get("files", ()))
+        if version >= 2 and (body.get("layout") != "dcp"
+                             or {INDEX_FILE, METADATA_FILE} - {f.file for f in files}):
+            raise ValueError(f"a format {version} manifest names no DCP index and metadata")
         world_size = int(body["world_size"])
         if sorted(s.rank for s in shards) != list(range(world_size)):
             raise ValueError(f"shards {[s.rank for s in shards]} for world_size {world_size}")
@@ -458,6 +568,8 @@ class CheckpointStore:
             attempt=str(body.get("attempt", "")),
             created_unix=float(body.get("created_unix", 0.0)),
             path=path,
+            version=version,
+            files=files,
         )
 
     def is_committed(self, step: int) -> bool:
@@ -489,20 +601,16 @@ class CheckpointStore:
 
     def _verify_file(self, manifest: Manifest, info: ShardInfo) -> str:
         path = f"{self.step_dir(manifest.step)}/{info.file}"
-        sha = hashlib.sha256()
-        n = 0
         try:
             with self.fs.open(path, "rb") as f:
-                while chunk := f.read(_CHUNK):
-                    sha.update(chunk)
-                    n += len(chunk)
+                n, sha = sha256_of(f)
         except FileNotFoundError:
             raise CheckpointError(path, "shard listed in the manifest is missing") from None
         if n != info.bytes:
             raise CheckpointError(
                 path, f"shard has {n} bytes, the manifest says {info.bytes}: truncated or replaced"
             )
-        if sha.hexdigest() != info.sha256:
+        if sha != info.sha256:
             raise CheckpointError(
                 path, "shard sha256 does not match the manifest: the file is corrupt"
             )
@@ -514,7 +622,39 @@ class CheckpointStore:
         for info in manifest.shards:
             if ranks is None or info.rank in ranks:
                 self._verify_file(manifest, info)
+        if ranks is None:
+            for info in manifest.files:
+                self._verify_file(manifest, info)
         return manifest
+
+    def dcp_reader(self, manifest: Manifest) -> IndexReader:
+        """A DCP ``StorageReader`` over a format-2 checkpoint: its index verified and read
+        now, each data file verified before the first read from it."""
+        if not manifest.sharded:
+            raise CheckpointError(manifest.path, f"format {manifest.version} has no DCP files "
+                                                 "(each rank's shard holds a full copy)")
+        sdir = self.step_dir(manifest.step)
+        files = {f.file: f for f in manifest.files}
+        path = self._verify_file(manifest, files[INDEX_FILE])
+        try:
+            with self.fs.open(path, "rb") as f:
+                index = json.loads(f.read())
+        except ValueError as e:
+            raise CheckpointError(path, f"index is not valid JSON ({e})") from None
+        if not isinstance(index, dict) or not isinstance(index.get("items"), dict):
+            raise CheckpointError(path, "not an nbtrain DCP index")
+
+        def open_file(name: str) -> Any:
+            return self.fs.open(f"{sdir}/{name}", "rb")
+
+        def verify(name: str) -> None:
+            info = files.get(name)
+            if info is None:
+                raise CheckpointError(f"{sdir}/{name}", "the index names a file the manifest "
+                                                        "does not list")
+            self._verify_file(manifest, info)
+
+        return IndexReader(index, open_file, verify, checkpoint_id=self.step_url(manifest.step))
 
     def load_shard(self, step: int, rank: int, *, manifest: Manifest | None = None) -> Any:
         """This rank's payload at ``step``, checksum-verified, loaded with weights_only=True."""
@@ -537,10 +677,11 @@ class CheckpointStore:
             raise CheckpointError(path, f"cannot be loaded: {type(e).__name__}: {e}") from None
         if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
             raise CheckpointError(path, "not an nbtrain checkpoint shard (foreign file)")
-        if obj.get("version") != FORMAT_VERSION:
+        if obj.get("version") != manifest.version:
             raise CheckpointError(
                 path,
-                f"shard format version {obj.get('version')!r}, this nbtrain reads {FORMAT_VERSION}",
+                f"shard format version {obj.get('version')!r}, its manifest's is "
+                f"{manifest.version}: files were mixed between checkpoints",
             )
         if obj.get("step") != step or obj.get("rank") != rank:
             raise CheckpointError(

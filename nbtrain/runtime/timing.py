@@ -7,6 +7,16 @@ little; its peers wait for it. ``compute = step - data - comm - optimizer``.
 
 On gloo and NCCL alike the hook sees completion through the all-reduce future; on NCCL the
 future completes when the kernel is enqueued-and-done on the stream, which is what we want.
+
+Under FSDP (``strategy="fsdp"`` or ``"tp+fsdp"``) "communication" is the time this rank spent
+in FSDP's parameter all-gathers (before each unit's forward and, resharded, its backward) and
+gradient reduce-scatters (after each unit's backward), measured by custom FSDP comms that
+time the calls (``FSDPModule.set_custom_all_gather``/``set_custom_reduce_scatter``). On CPU
+(gloo) FSDP issues these collectives synchronously on the training thread, so this is their
+whole time, transfer included, plus the wait for slower peers: a rank with slow compute again
+shows higher ``compute``, its peers higher ``comm``. On CUDA they only enqueue work on FSDP's
+communication streams, so most of the wait would show in compute. Tensor-parallel collectives
+(inside forward and backward, issued by DTensor) count as compute.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 
 class PhaseTimer:
@@ -37,10 +48,18 @@ class PhaseTimer:
         self._last_done = 0.0
         self._opt_start = 0.0
         self.opt_s = 0.0
+        self.fsdp_comm_s = 0.0
 
     @property
     def comm_s(self) -> float:
-        return max(0.0, self._last_done - self._last_hook) if self._last_hook else 0.0
+        ddp = max(0.0, self._last_done - self._last_hook) if self._last_hook else 0.0
+        return ddp + self.fsdp_comm_s
+
+    # -- FSDP comms ------------------------------------------------------------------------
+    def attach_fsdp(self, module: Any) -> None:
+        """Time the all-gathers and reduce-scatters of one FSDP module (a unit or the root)."""
+        module.set_custom_all_gather(TimedAllGather(self))
+        module.set_custom_reduce_scatter(TimedReduceScatter(self))
 
     # -- DDP comm hook -------------------------------------------------------------------
     def attach_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
@@ -77,3 +96,45 @@ def _timed_allreduce_hook(timer, bucket):  # type: ignore[no-untyped-def]
         return f.value()[0]
 
     return fut.then(_done)
+
+
+class _Alloc:
+    """FSDP's default buffer allocation (a plain ``torch.empty``)."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class TimedAllGather(_Alloc, AllGather):
+    """FSDP's parameter all-gather, timed into ``timer.fsdp_comm_s``."""
+
+    def __init__(self, timer: PhaseTimer) -> None:
+        self.timer = timer
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, async_op: bool = False) -> Any:
+        t0 = time.perf_counter()
+        work = dist.all_gather_single(output_tensor, input_tensor, group=group,
+                                      async_op=async_op)
+        self.timer.fsdp_comm_s += time.perf_counter() - t0
+        return work
+
+
+class TimedReduceScatter(_Alloc, ReduceScatter):
+    """FSDP's gradient reduce-scatter, timed into ``timer.fsdp_comm_s``, weighing each rank's
+    gradient by its share of an unevenly split global batch (as the DDP hook does): FSDP
+    divides the sum by the data-parallel size, so the input is scaled by share x size."""
+
+    def __init__(self, timer: PhaseTimer) -> None:
+        self.timer = timer
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op: Any, async_op: bool = False) -> Any:
+        weight = self.timer.grad_weight
+        if weight is not None:
+            input_tensor.mul_(weight * group.size())
+        t0 = time.perf_counter()
+        work = dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group,
+                                          async_op=async_op)
+        self.timer.fsdp_comm_s += time.perf_counter() - t0
+        return work

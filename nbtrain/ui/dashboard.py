@@ -432,6 +432,8 @@ class TextProgress:
         ck = self.eventlog.checkpoint
         if ck.committed_step is not None:
             self._print(f"[{self.job.name}] checkpoint: {ck.describe(time.time())}")
+        if self.eventlog.memory:
+            self._print(f"[{self.job.name}] {self.eventlog.describe_memory()}")
         self._print(f"[{self.job.name}] {self.job.status.value}: {self.job.reason}")
 
     def _print_alerts(self) -> None:

@@ -94,6 +94,9 @@ class EventLog:
     ended_by: dict[int, tuple[str, str]] = field(default_factory=dict)
     goodput: float | None = None
     goodput_parts: dict[str, float] = field(default_factory=dict)
+    #: The newest generation's ``memory`` events by rank (state bytes, strategy).
+    memory: dict[int, dict[str, Any]] = field(default_factory=dict)
+    memory_generation: int = -1
     events_seen: int = 0
 
     def add(self, event: dict[str, Any]) -> Alert | None:
@@ -268,6 +271,30 @@ class EventLog:
         took = ev.get("duration_s")
         took_txt = f" in {float(took):.1f} s" if took is not None else ""
         return Alert(when, "info", "resize", f"resized {old} -> {new} ranks{took_txt}")
+
+    def _on_memory(self, ev: dict[str, Any], when: float | None) -> None:
+        """A rank's state bytes after its generation's first step (no alert: a panel line)."""
+        rank, gen = _int_or_none(ev.get("rank")), _int_or_none(ev.get("gen"))
+        if rank is None or gen is None or gen < self.memory_generation:
+            return None
+        if gen > self.memory_generation:
+            self.memory, self.memory_generation = {}, gen
+        self.memory[rank] = dict(ev)
+        return None
+
+    def describe_memory(self) -> str:
+        """Per-rank parameter and optimizer-state bytes, e.g. ``state per rank (fsdp):
+        r0 params 1.2 MB + optimizer 2.4 MB; r1 ...`` ("" before the first report)."""
+        if not self.memory:
+            return ""
+        how = sorted({f"{m.get('strategy') or '?'}, {m.get('precision') or '?'}"
+                      for m in self.memory.values()})
+        parts = [f"r{r} params {format_bytes(int(m.get('params_bytes', 0)))} + optimizer "
+                 f"{format_bytes(int(m.get('optimizer_bytes', 0)))}"
+                 for r, m in sorted(self.memory.items())]
+        if len(parts) > 8:
+            parts = [*parts[:4], f"... {len(parts) - 6} more ...", *parts[-2:]]
+        return f"state per rank ({'; '.join(how)}): " + "; ".join(parts)
 
     def _on_data(self, ev: dict[str, Any], when: float | None) -> Alert:
         """Where a generation's data starts: the global position, split over its ranks."""

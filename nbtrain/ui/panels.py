@@ -61,5 +61,10 @@ def alerts_html(log: EventLog, shown: int) -> str:
 
 
 def checkpoint_html(log: EventLog) -> str:
+    """The last checkpoint, and each rank's training state (parameter and optimizer bytes)
+    once the ranks have reported it."""
+    memory = log.describe_memory()
     return ("<b>Checkpoint</b><div style='font-size:90%;line-height:1.25'>"
-            + html.escape(log.checkpoint.describe(time.time())) + "</div>")
+            + html.escape(log.checkpoint.describe(time.time())) + "</div>"
+            + (f"<div style='font-size:90%;line-height:1.25'>{html.escape(memory)}</div>"
+               if memory else ""))
