@@ -539,3 +539,35 @@ def test_a_nonfinite_metric_is_alerted_once_and_halts_when_asked() -> None:
         assert h.reason("a") == ("halted at step 7: loss was nan at step 5 on rank 0; the "
                                  "newest committed checkpoint is step 4 (resubmit with "
                                  "resume='latest' to continue from it)")
+
+
+def test_a_rank_waiting_for_its_checkpoint_writer_is_not_a_hang_culprit() -> None:
+    from nbtrain.core.health import hung_ranks
+
+    loop = ['File "/x/nbtrain/runtime/loop.py", line 10, in run', "  step()"]
+    writer_wait = [*loop, 'File "/x/nbtrain/runtime/async_ckpt.py", line 215, in wait',
+                   "  return fut.result(timeout=timeout)"]
+    collective = [*loop, 'File "/x/torch/distributed/distributed_c10d.py", line 2, in all_reduce']
+    own = [*loop, 'File "/x/user/train.py", line 3, in step', "  while True: pass"]
+    keys = {0: "k0", 1: "k1"}
+    assert hung_ranks(keys, {"w0": {"k0": writer_wait}, "w1": {"k1": collective}}) == []
+    assert hung_ranks(keys, {"w0": {"k0": own}, "w1": {"k1": collective}}) == [0]
+
+
+def test_a_rank_waiting_for_its_checkpoint_writer_makes_the_job_slow_not_hung() -> None:
+    """Rank 0 waits for its (starved) writer thread to commit the previous checkpoint, rank 1
+    waits for rank 0 in the all-reduce: neither stack moves, yet nothing is stuck."""
+    h = Harness(workers=2)
+    run_to_running(h)
+    h.steps("a", 0, 20)
+    writer = 'File "/x/nbtrain/runtime/async_ckpt.py", line 215, in wait'
+    stacks = {0: writer, 1: WAITING}
+    h.advance(3.5)
+    h.feed(HangDiagnosed, "a", 0, (), stacks)
+    h.advance(2.5)
+    out = h.feed(HangDiagnosed, "a", 0, (), stacks)
+    assert not h.of(RestartWorkers, out)
+    [slow] = h.events("a", "slow")
+    assert "slow, not hung" in slow["note"]
+    h.steps("a", 0, 21)  # the commit landed, the step finished
+    assert h.m.status("a").state == "RUNNING" and not h.m.status("a").faults

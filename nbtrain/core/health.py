@@ -9,11 +9,25 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["HostHealth", "hung_ranks"]
+__all__ = ["HostHealth", "hung_ranks", "waits_for_checkpoint_writer"]
 
-#: Frames that mean "waiting for other ranks", not "stuck on my own".
+#: Frames that mean "waiting for something else", not "stuck on my own": other ranks
+#: (collectives, the control agreement), or this rank's checkpoint writer thread finishing
+#: the previous checkpoint (at most one is in flight; on a loaded machine its nice-10 thread
+#: can be starved for seconds). A wait that never ends is still caught by the watchdog's
+#: give-up bound (10 x the limit without a step).
 _WAITING_MARKERS = ("torch/distributed", "torch/autograd", "torch/nn/parallel",
-                    "nbtrain/runtime/control.py")
+                    "nbtrain/runtime/control.py", "nbtrain/runtime/async_ckpt.py")
+
+
+#: The frame of a rank waiting for its own checkpoint writer thread.
+_WRITER_WAIT = "nbtrain/runtime/async_ckpt.py"
+
+
+def waits_for_checkpoint_writer(stack: str) -> bool:
+    """The rank waits for its writer thread to finish the previous checkpoint: its own stack
+    stands still while the writer (a thread the stacks do not show) makes progress."""
+    return _WRITER_WAIT in stack
 
 
 class HostHealth:

@@ -37,7 +37,7 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from nbtrain.core.health import HostHealth
+from nbtrain.core.health import HostHealth, waits_for_checkpoint_writer
 from nbtrain.core.inventory import Inventory, WorkerInfo
 from nbtrain.core.job import JobState
 from nbtrain.core.jobevents import (
@@ -818,8 +818,10 @@ class JobMachine:
             probe.update(first=stacks, first_at=self.now)
             return
         silent = self.now - gen.last_progress
+        # a rank waiting for its checkpoint writer counts as moving: the writer thread works
         unmoved = sorted(r for r in range(gen.size)
-                         if r in stacks and stacks.get(r) == probe["first"].get(r))
+                         if r in stacks and stacks.get(r) == probe["first"].get(r)
+                         and not waits_for_checkpoint_writer(stacks[r]))
         stuck = [r for r in ev.culprits if r in unmoved]
         waited = self.now - probe["first_at"]
         give_up = silent > 10 * probe["limit"]
