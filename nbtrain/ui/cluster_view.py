@@ -90,6 +90,28 @@ def slot_columns(snap: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, A
     return cols, jobs
 
 
+def slot_figure(source: Any, *, title: str, groups: Any = (), height: int, width: int,
+                x_end: float) -> Any:
+    """Slots as boxes, one row per host (NVLink domain), coloured and labelled by job; hover
+    names the slot, host, domain, job and state. ``source`` holds :func:`slot_columns`."""
+    from bokeh.models import FactorRange, HoverTool, Range1d
+    from bokeh.plotting import figure
+
+    fig = figure(title=title, y_range=FactorRange(*groups), height=height, width=width,
+                 tools="", toolbar_location=None, x_range=Range1d(start=-0.5, end=x_end))
+    fig.rect(x="x", y="group", width=0.92, height=0.8, source=source,
+             fill_color="colour", fill_alpha="alpha", line_color="#555")
+    fig.text(x="x", y="group", text="label", source=source, text_align="center",
+             text_baseline="middle", text_font_size="8pt", text_color="text_colour")
+    fig.add_tools(HoverTool(tooltips=[("slot", "@address"), ("host", "@host"),
+                                      ("domain", "@domain"), ("job", "@job"),
+                                      ("state", "@state")]))
+    fig.xaxis.visible = False
+    fig.xgrid.grid_line_color = None
+    fig.ygrid.grid_line_color = None
+    return fig
+
+
 def _domain(slot: dict[str, Any]) -> str:
     """The slot's NVLink domain label when it is not simply its host."""
     nvlink = str(slot.get("nvlink") or "")
@@ -122,8 +144,7 @@ class ClusterDashboard(widgets.VBox):
 
     def __init__(self, cluster: Any, *, rate_hz: float | None = None,
                  start: bool = True) -> None:
-        from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Range1d
-        from bokeh.plotting import figure
+        from bokeh.models import ColumnDataSource
         from jupyter_bokeh.widgets import BokehModel
 
         self.cluster = cluster
@@ -131,21 +152,9 @@ class ClusterDashboard(widgets.VBox):
         self.source = ColumnDataSource(cols, name="cluster-slots")
         groups = sorted(set(cols["group"]))
         width = max([4, *(x + 1 for x in cols["x"])])
-        self.figure: Any = figure(
-            title="slots by host", y_range=FactorRange(*groups), height=_height(len(groups)),
-            width=min(900, 140 + 90 * width), tools="", toolbar_location=None,
-            x_range=Range1d(start=-0.5, end=width - 0.5))
-        self.figure.rect(x="x", y="group", width=0.92, height=0.8, source=self.source,
-                         fill_color="colour", fill_alpha="alpha", line_color="#555")
-        self.figure.text(x="x", y="group", text="label", source=self.source,
-                         text_align="center", text_baseline="middle", text_font_size="8pt",
-                         text_color="text_colour")
-        self.figure.add_tools(HoverTool(tooltips=[("slot", "@address"), ("host", "@host"),
-                                                  ("domain", "@domain"), ("job", "@job"),
-                                                  ("state", "@state")]))
-        self.figure.xaxis.visible = False
-        self.figure.xgrid.grid_line_color = None
-        self.figure.ygrid.grid_line_color = None
+        self.figure = slot_figure(self.source, title="slots by host", groups=groups,
+                                  height=_height(len(groups)),
+                                  width=min(900, 140 + 90 * width), x_end=width - 0.5)
         self.plot = BokehModel(self.figure)
         self.header = widgets.HTML()
         self.jobs = widgets.HTML()

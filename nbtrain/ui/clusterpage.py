@@ -20,13 +20,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from bokeh.layouts import column
-from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Range1d
+from bokeh.models import ColumnDataSource
 from bokeh.models.widgets.markups import Div
 from bokeh.models.widgets.tables import DataTable, HTMLTemplateFormatter, TableColumn
-from bokeh.plotting import figure
 
 from nbtrain.core.job import format_progress
-from nbtrain.ui.cluster_view import slot_columns
+from nbtrain.ui.cluster_view import slot_columns, slot_figure
 
 __all__ = ["ClusterPage"]
 
@@ -48,20 +47,8 @@ class ClusterPage:
         self.slots = ColumnDataSource({k: [] for k in (
             "x", "group", "address", "host", "domain", "job", "state", "colour", "alpha",
             "label", "text_colour")}, name="cluster-slots")
-        self.figure: Any = figure(title="slots by host / NVLink domain", y_range=FactorRange(),
-                                  height=120, width=900, tools="", toolbar_location=None,
-                                  x_range=Range1d(start=-0.5, end=3.5))
-        self.figure.rect(x="x", y="group", width=0.92, height=0.8, source=self.slots,
-                         fill_color="colour", fill_alpha="alpha", line_color="#555")
-        self.figure.text(x="x", y="group", text="label", source=self.slots,
-                         text_align="center", text_baseline="middle", text_font_size="8pt",
-                         text_color="text_colour")
-        self.figure.add_tools(HoverTool(tooltips=[("slot", "@address"), ("host", "@host"),
-                                                  ("domain", "@domain"), ("job", "@job"),
-                                                  ("state", "@state")]))
-        self.figure.xaxis.visible = False
-        self.figure.xgrid.grid_line_color = None
-        self.figure.ygrid.grid_line_color = None
+        self.figure = slot_figure(self.slots, title="slots by host / NVLink domain",
+                                  height=120, width=900, x_end=3.5)
         self.jobs = ColumnDataSource({k: [] for k in _JOB_COLUMNS}, name="cluster-jobs")
         link = HTMLTemplateFormatter(template="<%= value %>")
         self.jobs_table = DataTable(source=self.jobs, width=900, height=200, index_position=None,

@@ -36,6 +36,7 @@ from nbtrain.ui.plots import (
     PhaseSplitPlot,
     StepTimePlot,
     ThroughputPlot,
+    feed_plots,
 )
 from nbtrain.ui.poller import Poller
 
@@ -173,12 +174,9 @@ class JobDashboard(widgets.VBox):
         for event in new_events:
             self.eventlog.add(event)
         if rows:
-            self.step_plot.add(rows)
-            self.split_plot.add(rows)
-            self.loss_plot.add(rows)
-            self.rate_plot.add(rows)
-            self.marks.add(rows, self.eventlog.describe_generation)
-            self.rows_drawn += len(rows)
+            self.rows_drawn += feed_plots(rows, (self.step_plot, self.split_plot, self.loss_plot,
+                                                 self.rate_plot), self.marks,
+                                          self.eventlog.describe_generation)
         if new_events:
             self.step_plot.mark_slow(set(self.eventlog.stragglers))
             self.alerts_panel.value = self._alerts_html()

@@ -29,6 +29,7 @@ from nbtrain.ui.plots import (
     PhaseSplitPlot,
     StepTimePlot,
     ThroughputPlot,
+    feed_plots,
 )
 
 __all__ = ["CONTROLS", "JobFeed", "JobPage"]
@@ -152,12 +153,9 @@ class JobPage:
         for event in events:
             self.log.add(event)
         if rows:
-            self.step_plot.add(rows)
-            self.split_plot.add(rows)
-            self.loss_plot.add(rows)
-            self.rate_plot.add(rows)
-            self.marks.add(rows, self.log.describe_generation)
-            self.rows_drawn += len(rows)
+            self.rows_drawn += feed_plots(rows, (self.step_plot, self.split_plot, self.loss_plot,
+                                                 self.rate_plot), self.marks,
+                                          self.log.describe_generation)
         if events:
             self.step_plot.mark_slow(set(self.log.stragglers))
             self._set(self.alerts, alerts_html(self.log, self.alerts_shown))

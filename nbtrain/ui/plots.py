@@ -454,3 +454,13 @@ class GenerationMarks:
         if new["x"]:
             self.source.stream(dict(new), rollover=self.keep)
         return len(new["x"])
+
+
+def feed_plots(rows: Sequence[Row], plots: Sequence[Any], marks: GenerationMarks,
+               describe: Callable[[int], tuple[str, str]]) -> int:
+    """Stream ``rows`` into each of a job view's plots and its generation marks (the widget
+    and the served page draw the same way); returns how many rows were drawn."""
+    for plot in plots:
+        plot.add(rows)
+    marks.add(rows, describe)
+    return len(rows)
