@@ -29,21 +29,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from nbtrain.runtime.snapshot import SnapshotError, load_state
+from nbtrain.runtime.snapshot import SnapshotError, find_in_state, load_state
 
 __all__ = ["apply_dcp_state", "has_sharded_params", "to_dcp_state"]
 
 
-def _modules(state: Any, out: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    if isinstance(state, torch.nn.Module):
-        out.append(state)
-    elif isinstance(state, Mapping):
-        for v in state.values():
-            _modules(v, out)
-    elif isinstance(state, (list, tuple)):
-        for v in state:
-            _modules(v, out)
-    return out
+def _modules(state: Any) -> list[torch.nn.Module]:
+    return find_in_state(state, (torch.nn.Module,))
 
 
 def _owner(opt: torch.optim.Optimizer, modules: list[torch.nn.Module],
@@ -60,7 +52,7 @@ def _owner(opt: torch.optim.Optimizer, modules: list[torch.nn.Module],
 
 def to_dcp_state(state: Mapping[str, Any]) -> dict[str, Any]:
     """The DCP state dict of the tracked ``state`` (tensors are the live ones, not copies)."""
-    modules = _modules(state, [])
+    modules = _modules(state)
 
     def conv(obj: Any, where: str) -> Any:
         if isinstance(obj, torch.nn.Module):
@@ -87,7 +79,7 @@ def to_dcp_state(state: Mapping[str, Any]) -> dict[str, Any]:
 
 def apply_dcp_state(state: dict[str, Any], loaded: Mapping[str, Any]) -> None:
     """Put a loaded DCP state dict (``to_dcp_state``'s shape) back into the live objects."""
-    modules = _modules(state, [])
+    modules = _modules(state)
 
     def put(target: Any, saved: Any, where: str) -> Any:
         if isinstance(target, torch.nn.Module):
@@ -125,4 +117,4 @@ def has_sharded_params(state: Any) -> bool:
     """Whether a tracked module holds DTensor parameters (FSDP or TP)."""
     from torch.distributed.tensor import DTensor
 
-    return any(isinstance(p, DTensor) for m in _modules(state, []) for p in m.parameters())
+    return any(isinstance(p, DTensor) for m in _modules(state) for p in m.parameters())

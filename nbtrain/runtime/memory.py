@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from nbtrain.runtime.snapshot import find_in_state
+
 __all__ = ["state_memory"]
 
 
@@ -37,18 +39,6 @@ def _nbytes(tensors: Iterable[Any]) -> int:
     return total
 
 
-def _walk(state: Any, out: list[Any]) -> list[Any]:
-    if isinstance(state, (torch.nn.Module, torch.optim.Optimizer)):
-        out.append(state)
-    elif isinstance(state, Mapping):
-        for v in state.values():
-            _walk(v, out)
-    elif isinstance(state, (list, tuple)):
-        for v in state:
-            _walk(v, out)
-    return out
-
-
 def _optimizer_tensors(opt: torch.optim.Optimizer) -> Iterable[Any]:
     for per_param in opt.state.values():
         yield from per_param.values()
@@ -57,7 +47,7 @@ def _optimizer_tensors(opt: torch.optim.Optimizer) -> Iterable[Any]:
 def state_memory(state: Mapping[str, Any]) -> dict[str, int]:
     """``params_bytes``, ``grads_bytes`` and ``optimizer_bytes`` of this rank's tracked state
     (local shards; tied or shared tensors counted once)."""
-    objects = _walk(state, [])
+    objects = find_in_state(state, (torch.nn.Module, torch.optim.Optimizer))
     modules = [o for o in objects if isinstance(o, torch.nn.Module)]
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
     params = [p for m in modules for p in m.parameters()]

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["HostSnapshotter", "Snapshot", "SnapshotError", "load_state"]
+__all__ = ["HostSnapshotter", "Snapshot", "SnapshotError", "find_in_state", "load_state"]
 
 _PLAIN = (int, float, bool, str, bytes, type(None), complex, torch.dtype, torch.device)
 
@@ -59,6 +59,18 @@ class Snapshot:
         """Block until every device-to-host copy of this snapshot is done (at once for a
         snapshot without CUDA tensors, or one taken with ``wait=True``)."""
         self.ready()
+
+
+def find_in_state(state: Any, kinds: tuple[type, ...]) -> list[Any]:
+    """The objects of ``kinds`` (e.g. modules, optimizers) in a tracked state's nested
+    mappings, lists and tuples, in order; a found object is not looked into."""
+    if isinstance(state, kinds):
+        return [state]
+    if isinstance(state, Mapping):
+        return [o for v in state.values() for o in find_in_state(v, kinds)]
+    if isinstance(state, (list, tuple)):
+        return [o for v in state for o in find_in_state(v, kinds)]
+    return []
 
 
 def _where(path: Path) -> str:

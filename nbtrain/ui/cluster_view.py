@@ -112,6 +112,18 @@ def slot_figure(source: Any, *, title: str, groups: Any = (), height: int, width
     return fig
 
 
+def fit_slot_figure(fig: Any, cols: dict[str, Any]) -> None:
+    """One row per host (domain) of ``cols`` and room for its widest row; a figure that
+    already fits is left alone (nothing is sent to the browser)."""
+    groups = sorted(set(cols["group"]))
+    if list(fig.y_range.factors) != groups:
+        fig.y_range.factors = groups
+        fig.height = _height(len(groups))
+    width = max([4, *(x + 1 for x in cols["x"])])
+    if fig.x_range.end != width - 0.5:
+        fig.x_range.end = width - 0.5
+
+
 def _domain(slot: dict[str, Any]) -> str:
     """The slot's NVLink domain label when it is not simply its host."""
     nvlink = str(slot.get("nvlink") or "")
@@ -178,13 +190,7 @@ class ClusterDashboard(widgets.VBox):
         if key == self._last:
             return
         self._last = key
-        groups = sorted(set(cols["group"]))
-        if list(self.figure.y_range.factors) != groups:
-            self.figure.y_range.factors = groups
-            self.figure.height = _height(len(groups))
-        width = max([4, *(x + 1 for x in cols["x"])])
-        if self.figure.x_range.end != width - 0.5:
-            self.figure.x_range.end = width - 0.5
+        fit_slot_figure(self.figure, cols)
         if dict(self.source.data) != cols:
             self.source.data = cols
         n_free = sum(1 for s in cols["state"] if s == "free")

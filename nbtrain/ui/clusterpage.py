@@ -25,7 +25,7 @@ from bokeh.models.widgets.markups import Div
 from bokeh.models.widgets.tables import DataTable, HTMLTemplateFormatter, TableColumn
 
 from nbtrain.core.job import format_progress
-from nbtrain.ui.cluster_view import slot_columns, slot_figure
+from nbtrain.ui.cluster_view import fit_slot_figure, slot_columns, slot_figure
 
 __all__ = ["ClusterPage"]
 
@@ -79,13 +79,7 @@ class ClusterPage:
         if key == self._last:
             return
         self._last = key
-        groups = sorted(set(cols["group"]))
-        if list(self.figure.y_range.factors) != groups:
-            self.figure.y_range.factors = groups
-            self.figure.height = 70 + 34 * max(len(groups), 1)
-        width = max([4, *(x + 1 for x in cols["x"])])
-        if self.figure.x_range.end != width - 0.5:
-            self.figure.x_range.end = width - 0.5
+        fit_slot_figure(self.figure, cols)
         self.slots.data = cols
         self.jobs.data = dict(self._job_columns(jobs))
         n_free = sum(1 for s in cols["state"] if s == "free")
