@@ -11,17 +11,15 @@ from typing import Any
 
 __all__ = ["HostHealth", "hung_ranks", "waits_for_checkpoint_writer"]
 
+#: The frame of a rank waiting for its own checkpoint writer thread.
+_WRITER_WAIT = "nbtrain/runtime/async_ckpt.py"
 #: Frames that mean "waiting for something else", not "stuck on my own": other ranks
 #: (collectives, the control agreement), or this rank's checkpoint writer thread finishing
 #: the previous checkpoint (at most one is in flight; on a loaded machine its nice-10 thread
 #: can be starved for seconds). A wait that never ends is still caught by the watchdog's
 #: give-up bound (10 x the limit without a step).
 _WAITING_MARKERS = ("torch/distributed", "torch/autograd", "torch/nn/parallel",
-                    "nbtrain/runtime/control.py", "nbtrain/runtime/async_ckpt.py")
-
-
-#: The frame of a rank waiting for its own checkpoint writer thread.
-_WRITER_WAIT = "nbtrain/runtime/async_ckpt.py"
+                    "nbtrain/runtime/control.py", _WRITER_WAIT)
 
 
 def waits_for_checkpoint_writer(stack: str) -> bool:
