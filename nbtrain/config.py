@@ -107,10 +107,23 @@ class Settings:
     #: How long the ticket in a job page's URL (from ``job.dashboard()``) lets its holder
     #: steer the job. The URL is saved with the notebook's output: keep this short.
     view_ticket_s: float = 12 * 3600.0
-    #: Ended jobs the controller remembers (for ``cluster.jobs`` and reattaching).
+    #: Where the controller journals everything it knows (SQLite, see ARCHITECTURE.md), so a
+    #: scheduler restarted on the same directory restores every job. "" = a directory per
+    #: scheduler address, ``~/.nbtrain/state/<host>-<port>`` on the scheduler's machine (the
+    #: embedded cluster uses a fresh temporary one). On Kubernetes mount a persistent volume
+    #: here; on Slurm/HPC use a path on the scheduler's node (or a shared file system).
+    state_dir: str = ""
+    #: Ended jobs the controller keeps in memory (for ``cluster.jobs`` and reattaching);
+    #: older ones are read from the state directory.
     jobs_kept: int = 200
-    #: Step rows the controller keeps per job for clients that attach later (newest kept).
-    rows_kept: int = 200_000
+    #: Step rows per job the controller keeps in memory (the newest); older rows are read
+    #: from the state directory.
+    rows_kept: int = 50_000
+    #: How often the controller journals the step progress of running jobs.
+    journal_interval_s: float = 1.0
+    #: Largest pickled recipe or training function (with its config and the globals it
+    #: captured) a job may have; load big data inside the function instead.
+    recipe_max_bytes: int = 32 * 1024 * 1024
     #: A worker restarted by nbtrain that has not come back after this long is reported lost.
     worker_return_s: float = 120.0
     #: How long the controller waits for a nanny to kill a worker it restarts.

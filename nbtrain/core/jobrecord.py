@@ -14,13 +14,15 @@ from typing import Any
 from nbtrain.core.faults import Fault
 from nbtrain.core.goodput import GoodputLedger
 from nbtrain.core.job import JobState
-from nbtrain.core.lifecycle_types import JobSubmission, RankFailureInfo
+from nbtrain.core.lifecycle_types import CarriedHistory, JobSubmission, RankFailureInfo
 from nbtrain.core.placement import Placement
 from nbtrain.core.stragglerwatch import StragglerWatch
 
 __all__ = ["Generation", "JobStatus", "LiveJob", "PendingResize", "Preemption",
            "primary_failure"]
 
+#: The cause of the fault a restored job records for its controller's restart.
+CONTROLLER_RESTARTED = "controller restarted"
 #: Control flags a generation's ranks act on (``checkpoint`` is a sequence number).
 CONTROL_FLAGS = ("stop", "preempt", "checkpoint", "halt")
 
@@ -159,6 +161,9 @@ class LiveJob:
         self.target = sub.spec.world_size  # the size asked for
         self.last_size: int | None = None  # ranks of the newest generation
         self.resize_note = ""
+        #: Restored PREEMPTED by a restarted controller: kept out of the gang scheduler until
+        #: ``resume()`` submits it there again.
+        self.parked = False
 
     @property
     def id(self) -> str:
@@ -167,6 +172,45 @@ class LiveJob:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    def carry(self, now: float, wall: float) -> CarriedHistory:
+        """What a restarted controller needs to continue this job (see ``restore``)."""
+        return CarriedHistory(
+            generation=self.generation, step=self.step, committed_step=self.committed_step,
+            restarts_wall=tuple(wall - (now - t) for t in self.restarts),
+            faults=tuple({k: v for k, v in f.items() if not k.startswith("_")}
+                         for f in self.fault_log),
+            planned=tuple(f.to_dict() for f in self.planned), fired=tuple(sorted(self.fired)),
+            held=self.state is JobState.PREEMPTED, target=self.target,
+            last_size=self.last_size, submitted=self.submitted, started=self.started)
+
+    def restore(self, carried: CarriedHistory, now: float, wall: float) -> dict[str, Any]:
+        """Continue from what an earlier controller knew; returns the fault to record for
+        its restart (charged to no restart budget)."""
+        self.generation = carried.generation
+        self.step = carried.step
+        self.committed_step = max(self.committed_step, carried.committed_step)
+        # Budget times are kept on this controller's monotonic clock.
+        self.restarts = [now - (wall - w) for w in carried.restarts_wall]
+        self.fault_log = [dict(f) for f in carried.faults]
+        if carried.planned:
+            self.planned = [Fault.from_dict(dict(f)) for f in carried.planned]
+        self.fired = set(carried.fired)
+        self.target = carried.target or self.target
+        self.last_size = carried.last_size
+        self.submitted = carried.submitted or self.submitted
+        self.started = carried.started
+        lost = max(0, self.step - self.committed_step)
+        fault = {"kind": "fault", "time": wall, "what": "controller", "rank": None,
+                 "host": None, "step": self.step, "generation": self.generation,
+                 "cause": f"{CONTROLLER_RESTARTED}: the job continues from its newest "
+                          f"committed checkpoint (step {self.committed_step})",
+                 "error": CONTROLLER_RESTARTED, "detect_s": None,
+                 "lost_steps": lost if carried.generation >= 0 else 0,
+                 "resume_step": self.committed_step, "budget": False,
+                 "_detected_mono": now}
+        self.fault_log.append(fault)
+        return fault
 
     def unfired_faults(self) -> tuple[Fault, ...]:
         return tuple(f for f in self.planned if f.id not in self.fired)

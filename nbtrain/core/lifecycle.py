@@ -49,6 +49,7 @@ from nbtrain.core.jobevents import (
     state_event,
 )
 from nbtrain.core.jobrecord import (
+    CONTROLLER_RESTARTED,
     Generation,
     JobStatus,
     LiveJob,
@@ -59,7 +60,9 @@ from nbtrain.core.jobrecord import (
 from nbtrain.core.lifecycle_types import (
     AbortCollectives,
     Cancel,
+    CarriedHistory,
     Command,
+    ControllerFailed,
     Deliver,
     Diagnose,
     EndGeneration,
@@ -171,6 +174,8 @@ class JobMachine:
             self._on_worker_left(event.address)
         elif isinstance(event, HangDiagnosed):
             self._on_hang_diagnosed(event)
+        elif isinstance(event, ControllerFailed):
+            self._on_controller_failed(event)
         else:
             raise TypeError(f"unknown event {event!r}; see nbtrain.core.lifecycle_types.Event")
         if self._queue_dirty:
@@ -226,9 +231,13 @@ class JobMachine:
             return
         job = LiveJob(sub, self.now, self.wall)
         self._jobs[job.id] = job
+        if sub.carried is not None:
+            self._restore(job, sub.carried)
+            if job.parked:
+                return
         self._publish(job, state_event(self.wall, job.state.value, job.reason))
         if self.sched is None:
-            if not spec.queue:
+            if not spec.queue and sub.carried is None:
                 self._reject(job, 0, 0)
                 return
             self._pending.append(job.id)
@@ -236,6 +245,30 @@ class JobMachine:
                                                   "cluster has 0: waiting for workers to join")
             return
         self._admit(job)
+
+    def _restore(self, job: LiveJob, carried: CarriedHistory) -> None:
+        """A job an earlier controller ran: its history continues, a fault records the
+        restart (no restart-budget charge); a held job stays PREEMPTED (out of the gang
+        scheduler until ``resume()``), any other waits for slots to resume from its newest
+        committed checkpoint."""
+        fault = job.restore(carried, self.now, self.wall)
+        self._publish(job, {k: v for k, v in fault.items() if not k.startswith("_")})
+        if carried.held:
+            job.parked = True
+            job.ledger.enter("queued", self.now)
+            self._set_state(job, JobState.PREEMPTED, f"preempted (restored after a "
+                                                     f"{CONTROLLER_RESTARTED}); resume() "
+                                                     "queues it again")
+            return
+        if carried.generation >= 0:
+            job.recovering = CONTROLLER_RESTARTED
+            job.queue_note = CONTROLLER_RESTARTED
+            job.ledger.enter("recovery", self.now)
+        job.reason = f"{CONTROLLER_RESTARTED}: waiting for slots"
+
+    def carry(self, job_id: str) -> CarriedHistory:
+        """What a restarted controller needs to continue a job (``KeyError`` if unknown)."""
+        return self._jobs[job_id].carry(self.now, self.wall)
 
     def _admit(self, job: LiveJob) -> None:
         spec = job.spec
@@ -245,7 +278,7 @@ class JobMachine:
         self._sched(Submit(self.now, request))
         if job.id not in self._jobs:  # rejected by the scheduler
             return
-        if not spec.queue and job.gen is None:
+        if not spec.queue and job.gen is None and job.sub.carried is None:
             assert self.sched is not None
             kind = self.sched.kind_of(job.id)
             free, online = self.sched.free_of(kind), self.sched.online_of(kind)
@@ -709,6 +742,28 @@ class JobMachine:
             gen.outcomes[ev.rank] = dict(ev.outcome or {})
         if gen.finished():
             self._end_generation(job)
+
+    def _on_controller_failed(self, ev: ControllerFailed) -> None:
+        """End the job FAILED at once: its running ranks' workers are restarted (their
+        slots come back when the workers do), its slots released, nothing retried."""
+        job = self._jobs.get(ev.job_id)
+        if job is None or job.state.terminal:
+            return
+        gen = job.gen
+        if gen is not None:
+            stuck = gen.unfinished()
+            if stuck:
+                self._out.append(Cancel(job.id, gen.number, stuck))
+                self._restart_workers([gen.addresses[r] for r in stuck],
+                                      f"job {job.name}: nbtrain controller error")
+            self._out.append(EndGeneration(job.id, gen.number))
+            self._live.pop(job.id, None)
+            job.gen = None
+        job.preempt = None
+        job.error = ev.error
+        last = ev.error.strip().splitlines()[-1] if ev.error.strip() else "unknown error"
+        self._end_job(job, JobState.FAILED, f"nbtrain controller error while handling this "
+                                            f"job: {last}", Cancelled(self.now, job.id))
 
     def _record_failure(self, gen: Generation, rank: int, failure: RankFailureInfo) -> None:
         gen.failures[rank] = failure
@@ -1186,7 +1241,15 @@ class JobMachine:
                                                          "queues it again")
                 self._sched(Suspend(self.now, job.id))
         elif what == "resume":
-            if job.state is JobState.PREEMPTED and self.sched is not None:
+            if job.parked:
+                job.parked = False
+                job.queue_note = "resuming"
+                self._set_state(job, JobState.QUEUED, "resuming: waiting for slots")
+                if self.sched is None:
+                    self._pending.append(job.id)
+                else:
+                    self._admit(job)
+            elif job.state is JobState.PREEMPTED and self.sched is not None:
                 job.queue_note = "resuming"
                 self._set_state(job, JobState.QUEUED, "resuming: waiting for slots")
                 self._sched(Resume(self.now, job.id))

@@ -19,7 +19,9 @@ from nbtrain.core.mitigation import MitigationSettings
 __all__ = [
     "AbortCollectives",
     "Cancel",
+    "CarriedHistory",
     "Command",
+    "ControllerFailed",
     "Deliver",
     "Diagnose",
     "EndGeneration",
@@ -60,6 +62,34 @@ class JobPolicy:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CarriedHistory:
+    """What an earlier controller knew of a job that was live when it stopped, read back from
+    its journal: the job continues where it was instead of starting over.
+
+    Built by :meth:`nbtrain.core.lifecycle.JobMachine.carry` and journaled by the engine; never
+    taken from a client (``engine/wire.py`` drops it from submissions)."""
+
+    #: The newest generation launched (-1: none); the next one is numbered above it, so a rank
+    #: of an old generation can never pass for one of the new (the fence).
+    generation: int = -1
+    step: int = 0
+    committed_step: int = 0
+    #: Wall-clock times of the restarts charged to the restart budget.
+    restarts_wall: tuple[float, ...] = ()
+    #: The fault history (``fault`` event dicts).
+    faults: tuple[Mapping[str, Any], ...] = ()
+    #: Planned faults (as ``Fault.to_dict()``, injected ones included) and the ids fired.
+    planned: tuple[Mapping[str, Any], ...] = ()
+    fired: tuple[str, ...] = ()
+    #: Preempted by its user: stays PREEMPTED until ``resume()``.
+    held: bool = False
+    target: int = 0
+    last_size: int | None = None
+    submitted: float = 0.0
+    started: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class JobSubmission:
     """Everything the machine needs about a new job (the recipe itself stays in the engine)."""
 
@@ -70,6 +100,8 @@ class JobSubmission:
     faults: tuple[Fault, ...] = ()
     #: Newest committed step of the ``resume=`` source (0: a fresh start).
     resume_step: int = 0
+    #: Set when a restarted controller restores the job from its journal (see there).
+    carried: CarriedHistory | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,8 +212,19 @@ class Tick:
     wall: float
 
 
+@dataclass(frozen=True)
+class ControllerFailed:
+    """Handling an event of ``job_id`` raised inside the controller (a bug): the job ends
+    FAILED with ``error`` (the traceback) as its cause; every other job goes on."""
+
+    now: float
+    wall: float
+    job_id: str
+    error: str
+
+
 Event = (Submitted | Request | RankMessage | RankExit | WorkerJoined | WorkerLeft
-         | HangDiagnosed | Tick)
+         | HangDiagnosed | Tick | ControllerFailed)
 
 
 # ---------------------------------------------------------------------------------- commands

@@ -14,6 +14,7 @@ import html
 import logging
 import os
 import secrets
+import tempfile
 import time
 import uuid
 import weakref
@@ -68,7 +69,6 @@ class Cluster:
     def __init__(self, client: Client, *, local: LocalCluster | None = None,
                  owns_client: bool = False, settings: Settings | None = None,
                  operator_token: str = "") -> None:
-        self.client = client
         self.settings = settings or Settings.load()
         self._local = local
         self._owns_client = owns_client
@@ -80,6 +80,12 @@ class Cluster:
         self._closed = False
         self._finalizer = weakref.finalize(self, _close_quietly, self._follower, client, local,
                                            owns_client)
+
+    @property
+    def client(self) -> Client:
+        """The Dask client this cluster talks through (a new one after the old gave up
+        reconnecting to a scheduler that was away for long)."""
+        return self._remote.client
 
     # -- slots ----------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
@@ -425,7 +431,12 @@ def connect(address: str | Client | None = None, *, n_workers: int | None = None
                 local.scale(n)  # one worker per GPU (EmbeddedCluster.new_worker_spec)
             client = Client(local, set_as_default=False)
         owns = True
-    client.register_plugin(ClusterController(settings.replace(operator_token=token)))
+    controller_settings = settings.replace(operator_token=token)
+    if local is not None and not settings.state_dir:
+        # The embedded cluster ends with this process: its journal starts fresh each time.
+        controller_settings = controller_settings.replace(
+            state_dir=tempfile.mkdtemp(prefix="nbtrain-state-"))
+    client.register_plugin(ClusterController(controller_settings))
     client.register_plugin(NbtrainWorker(quiet=settings.quiet_workers))
     if local is not None:
         client.wait_for_workers(len(local.worker_spec), timeout=120)
@@ -464,6 +475,9 @@ def _pickle_recipe(work: Any) -> bytes:
 def _close_quietly(follower: Follower, client: Client, local: LocalCluster | None,
                    owns_client: bool) -> None:
     follower.close()
+    for made in follower.remote.made:
+        with contextlib.suppress(Exception):
+            made.close()
     for close in (client.close if owns_client else None,
                   local.close if local is not None else None):
         if close is None:

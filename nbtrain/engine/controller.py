@@ -16,18 +16,25 @@ What flows through it:
 - **Clients** call handlers (:mod:`nbtrain.engine.handlers`): submit, requests, follow
   (long-poll for rows, events and status), listings. **Ranks** call two: the rendezvous and
   the control flags (long-polls too).
+- **The journal** (:mod:`nbtrain.engine.store`): every submission, status change, result and
+  the jobs' history go to SQLite in the state directory, written by a thread of its own;
+  handlers wait for the write before they acknowledge. A controller that starts on a
+  directory with a journal restores its jobs (:meth:`ClusterController._restore`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import time
+import traceback
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from distributed import Client, Future, SchedulerPlugin
@@ -40,7 +47,9 @@ from nbtrain.core.lifecycle import JobMachine
 from nbtrain.core.lifecycle_types import (
     AbortCollectives,
     Cancel,
+    CarriedHistory,
     Command,
+    ControllerFailed,
     Deliver,
     Diagnose,
     EndGeneration,
@@ -55,12 +64,14 @@ from nbtrain.core.lifecycle_types import (
     Rejected,
     RestartWorkers,
     SetControl,
+    Submitted,
     Tick,
     WorkerJoined,
     WorkerLeft,
 )
 from nbtrain.core.sched_types import SchedulerConfig
 from nbtrain.engine.joblog import JobLog, Tail
+from nbtrain.engine.store import TERMINAL, ControllerStore, StoredJob
 from nbtrain.engine.tasks import run_rank_task
 from nbtrain.engine.trackers import TrackerSink
 from nbtrain.runtime.events import RANK_TOPIC
@@ -75,6 +86,13 @@ PLUGIN_NAME = "nbtrain"
 
 def token_hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def default_state_dir(address: str) -> Path:
+    """``~/.nbtrain/state/<host>-<port>``: one directory per scheduler address, so a
+    scheduler restarted at the same address finds its journal."""
+    where = address.split("://", 1)[-1].replace("/", "_").replace(":", "-") or "scheduler"
+    return Path("~/.nbtrain/state").expanduser() / where
 
 
 @dataclass
@@ -96,6 +114,9 @@ class JobAssets:
     result: bytes | None = None  # a training function's return value on rank 0, pickled
     result_error: str | None = None
     trackers: TrackerSink | None = None  # TensorBoard / MLflow, fed from here
+    #: The status of a job the machine does not hold: one that had ended before this
+    #: controller started, read back from the journal.
+    final: dict[str, Any] | None = None
 
 
 class ClusterController(SchedulerPlugin):
@@ -142,6 +163,10 @@ class ClusterController(SchedulerPlugin):
         self._client: Client | None = None
         self._client_ready = asyncio.Event()
         self.view_tickets: dict[str, ViewTicket] = {}
+        self.store = ControllerStore(s.state_dir or default_state_dir(scheduler.address))
+        self.epoch = self.store.epoch
+        self._last_journal = -1e18
+        self._restore()
         handlers.install(self, scheduler)
         try:
             self.pages = pages.attach(scheduler)
@@ -190,19 +215,140 @@ class ClusterController(SchedulerPlugin):
         if self._client is not None:
             with contextlib.suppress(Exception):
                 await self._client.close()
+        store = getattr(self, "store", None)
+        if store is not None:
+            await asyncio.to_thread(store.close)
+
+    # ================================================================== the journal
+    def _restore(self) -> None:
+        """Take back what the journal holds: ended jobs are listed with their history; every
+        other job is submitted to the fresh machine with what the last controller knew of it
+        (``CarriedHistory``): queued ones queue again in their order, running ones resume
+        from their newest committed checkpoint when slots return, held ones stay held."""
+        t0 = time.perf_counter()
+        stored = self.store.jobs(newest_ended=self.settings.jobs_kept)
+        live = 0
+        for sj in stored:
+            try:
+                if self._restore_one(sj):
+                    live += 1
+            except Exception:  # one unreadable record must not keep the others out
+                logger.exception("nbtrain controller: restoring job %s failed", sj.job_id)
+        if stored:
+            self.cluster_log.extend([{
+                "kind": "restored", "jobs": len(stored), "live": live, "epoch": self.epoch,
+                "state_dir": str(self.store.dir), "seconds": time.perf_counter() - t0,
+                "time": time.time()}])
+            logger.info("nbtrain controller: restored %d jobs (%d live) from %s in %.2f s",
+                        len(stored), live, self.store.dir, time.perf_counter() - t0)
+
+    def _restore_one(self, sj: StoredJob) -> bool:
+        from nbtrain.engine.wire import submission_from_wire
+
+        sub = submission_from_wire(sj.submission)
+        known = {f.name for f in dataclasses.fields(Settings)}
+        assets = JobAssets(
+            spec=sub.spec, recipe=sj.recipe,
+            settings=Settings(**{k: v for k, v in sj.settings.items() if k in known}),
+            checkpoint_url=sj.checkpoint_url,
+            restore=(str(sj.restore[0]), None if sj.restore[1] is None else int(sj.restore[1]))
+            if sj.restore else None,
+            token_hash=sj.token_hash, log=self.job_log(sj.job_id, sj.ends))
+        self.assets[sj.job_id] = assets
+        if sj.state in TERMINAL:
+            assets.final = sj.status
+            assets.recipe = b""
+            self.ended.append(sj.job_id)
+            return False
+        if sj.trackers:
+            self._attach_trackers(assets, sj.trackers)
+        carried = _carried_from(sj.carried)
+        now, wall = self.now()
+        self.feed(Submitted(now, wall, dataclasses.replace(sub, carried=carried)))
+        return True
+
+    def archive(self, sj: StoredJob) -> JobAssets:
+        """An ended job read back from the journal on demand (an old one asked for by name)."""
+        if sj.job_id not in self.assets:
+            self._restore_one(sj)
+            self._trim_ended()
+        return self.assets[sj.job_id]
+
+    def job_log(self, job_id: str, ends: Mapping[str, int] | None = None) -> JobLog:
+        """A job's log, journaled at its positions (continuing at ``ends``)."""
+        store = self.store
+        return JobLog(rows_kept=self.settings.rows_kept, ends=ends,
+                      sink=lambda table, start, items: store.add_history(table, job_id, start,
+                                                                         items))
+
+    def _attach_trackers(self, assets: JobAssets,
+                         trackers: Sequence[Mapping[str, Any]]) -> None:
+        from nbtrain.engine.trackers import TrackerSink, TrackerSpec
+
+        jid = assets.spec.job_id
+        assets.trackers = TrackerSink(
+            [TrackerSpec(**dict(t)) for t in trackers], run=f"{assets.spec.name}-{jid}",
+            params=assets.spec.describe(),
+            on_error=lambda message: self.publish_from_thread(
+                jid, {"kind": "tracker", "error": message}))
+
+    def journal_status(self, job_id: str) -> None:
+        """Journal a job's status and what a restarted controller needs to continue it."""
+        status = self._status(job_id)
+        if status is None or job_id not in self.assets or self.assets[job_id].final:
+            return
+        carried = None
+        if status["state"] not in TERMINAL:
+            from nbtrain.engine.wire import plain
+
+            carried = plain(self.machine.carry(job_id))
+        self.store.put_status(job_id, status, carried)
+
+    async def journaled(self) -> None:
+        """Until everything journaled so far is on disk (without blocking the loop)."""
+        await asyncio.wrap_future(self.store.barrier())
 
     # ================================================================== feeding the machine
     def feed(self, event: Event) -> list[Command]:
-        """Apply one event and carry out the machine's commands (on the event loop)."""
+        """Apply one event and carry out the machine's commands (on the event loop).
+
+        Never raises: an exception inside the machine fails the one job the event concerns
+        (its traceback as the cause) and the controller goes on; jobs whose state changed
+        are journaled."""
         t0 = time.perf_counter()
-        commands = self.machine.handle(event)
+        try:
+            commands = self.machine.handle(event)
+        except Exception:
+            commands = self._machine_failed(event, traceback.format_exc())
         self.decision_s.append(time.perf_counter() - t0)
+        touched: set[str] = set()
         for command in commands:
             try:
                 self._do(command)
             except Exception:  # one command failing must not stop the others
                 logger.exception("nbtrain controller: carrying out %r failed", command)
+            job_id = getattr(command, "job_id", None)
+            if job_id is not None and isinstance(command, Publish | Launch):
+                touched.add(job_id)
+        for job_id in touched:
+            self.journal_status(job_id)
         return commands
+
+    def _machine_failed(self, event: Event, tb: str) -> list[Command]:
+        job_id = _job_of(event)
+        logger.error("nbtrain controller: handling %s failed (job %s):\n%s",
+                     type(event).__name__, job_id, tb)
+        self.cluster_log.extend([{"kind": "controller_error", "job": job_id,
+                                  "event": type(event).__name__,
+                                  "error": tb.strip().splitlines()[-1], "time": time.time()}])
+        if job_id is None:
+            return []
+        now, wall = self.now()
+        try:
+            return self.machine.handle(ControllerFailed(now, wall, job_id, tb))
+        except Exception:
+            logger.exception("nbtrain controller: failing job %s after an error failed", job_id)
+            return []
 
     def now(self) -> tuple[float, float]:
         return time.monotonic(), time.time()
@@ -278,8 +424,16 @@ class ClusterController(SchedulerPlugin):
     async def _tick_loop(self) -> None:
         while not self._closed:
             await asyncio.sleep(self.settings.controller_tick_s)
-            now, wall = self.now()
-            self.feed(Tick(now, wall))
+            try:
+                now, wall = self.now()
+                self.feed(Tick(now, wall))
+                if now - self._last_journal >= self.settings.journal_interval_s:
+                    self._last_journal = now
+                    for job_id in self.machine.job_ids():
+                        if self.machine.status(job_id).state not in TERMINAL:
+                            self.journal_status(job_id)
+            except Exception:  # the clock must keep going for every other job
+                logger.exception("nbtrain controller: a tick failed")
 
     # ================================================================== workers
     def add_worker(self, scheduler: Any, worker: str) -> None:
@@ -358,6 +512,9 @@ class ClusterController(SchedulerPlugin):
     # ================================================================== rank tasks
     async def _launch(self, c: Launch) -> None:
         client = await self.client()
+        # The generation's number is on disk before any of its ranks runs: a restarted
+        # controller numbers its generations above it (the fence against stale ranks).
+        await self.journaled()
         assets = self.assets.get(c.job_id)
         if assets is None or c.generation <= assets.last_ended:
             return  # the generation ended (a stop, a lost worker) before it was launched
@@ -407,6 +564,7 @@ class ClusterController(SchedulerPlugin):
                 # Kept as bytes: the scheduler never unpickles user objects.
                 assets.result = outcome.pop("result", None)
                 assets.result_error = outcome.pop("result_error", None)
+                self.store.put_result(job_id, assets.result, assets.result_error)
         except asyncio.CancelledError:
             if self._closed:
                 raise
@@ -483,16 +641,45 @@ class ClusterController(SchedulerPlugin):
     # ================================================================== bookkeeping
     def _job_ended(self, job_id: str) -> None:
         self.ended.append(job_id)
+        self.assets[job_id].recipe = b""  # journaled; nothing will launch it again
+        self._trim_ended()
+
+    def _trim_ended(self) -> None:
+        """Keep ``jobs_kept`` ended jobs in memory; older ones live in the journal only."""
         while len(self.ended) > self.settings.jobs_kept:
             old = self.ended.popleft()
             self.machine.forget(old)
             self.assets.pop(old, None)
 
+    def job_ids(self) -> list[str]:
+        """Jobs in memory (live, and the newest ended), in submit order."""
+        return list(self.assets)
+
     def _status(self, job_id: str) -> dict[str, Any] | None:
         try:
             return self.machine.status(job_id).to_dict()
         except KeyError:
-            return None
+            assets = self.assets.get(job_id)
+            return dict(assets.final) if assets is not None and assets.final else None
+
+
+def _job_of(event: Event) -> str | None:
+    """The job an event concerns (None: the cluster's)."""
+    if isinstance(event, Submitted):
+        return event.job.spec.job_id
+    job_id = getattr(event, "job_id", None)
+    return None if job_id is None else str(job_id)
+
+
+def _carried_from(data: Mapping[str, Any] | None) -> CarriedHistory:
+    """A journaled ``CarriedHistory`` (JSON: lists for tuples); empty for a job the last
+    controller had not journaled beyond its submission."""
+    if not data:
+        return CarriedHistory()
+    known = {f.name for f in dataclasses.fields(CarriedHistory)}
+    values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                              for k, v in data.items() if k in known}
+    return CarriedHistory(**values)
 
 
 def _failure_info(exc: BaseException, host: str) -> RankFailureInfo:

@@ -92,29 +92,40 @@ async def submit(ctl: ClusterController, *, job: Mapping[str, Any], recipe: byte
             f"{ceiling}")
     if spec.job_id in ctl.assets:
         raise ValueError(f"job id {spec.job_id!r} is already in use; submit under a new id")
+    limit = ctl.settings.recipe_max_bytes
+    if len(recipe) > limit:
+        raise ValueError(
+            f"job {spec.name}: its pickled recipe or training function is {len(recipe):,} "
+            f"bytes, more than this cluster's recipe_max_bytes ({limit:,}); it carries the "
+            "config and the globals the function uses: load big data inside the function "
+            "(from a path or URL) instead of capturing it")
     job_token = secrets.token_hex(16)
-    ctl.assets[spec.job_id] = JobAssets(
+    restore_at = ((str(restore[0]), None if restore[1] is None else int(restore[1]))
+                  if restore else None)
+    assets = ctl.assets[spec.job_id] = JobAssets(
         spec=spec, recipe=bytes(recipe), settings=Settings(**dict(settings)),
-        checkpoint_url=checkpoint_url,
-        restore=(str(restore[0]), None if restore[1] is None else int(restore[1]))
-        if restore else None,
-        token_hash=token_hash(job_token), log=JobLog(rows_kept=ctl.settings.rows_kept))
+        checkpoint_url=checkpoint_url, restore=restore_at, token_hash=token_hash(job_token),
+        log=ctl.job_log(spec.job_id))
     if trackers:
-        from nbtrain.engine.trackers import TrackerSink, TrackerSpec
-
-        specs = [TrackerSpec(**dict(t)) for t in trackers]
-        ctl.assets[spec.job_id].trackers = TrackerSink(
-            specs, run=f"{spec.name}-{spec.job_id}", params=spec.describe(),
-            on_error=lambda message, jid=spec.job_id: ctl.publish_from_thread(
-                jid, {"kind": "tracker", "error": message}))
+        ctl._attach_trackers(assets, list(trackers))
+    # Journaled before the machine sees it (so its first events have a job to belong to),
+    # dropped again if the machine rejects it.
+    ctl.store.add_job(job_id=spec.job_id, name=spec.name, submission=job, recipe=assets.recipe,
+                      settings=dict(settings), checkpoint_url=checkpoint_url,
+                      restore=restore_at, token_hash=assets.token_hash,
+                      trackers=list(trackers) if trackers else None,
+                      status={"state": "QUEUED"})
     now, wall = ctl.now()
     commands = ctl.feed(Submitted(now, wall, sub))
     rejected = [c for c in commands if isinstance(c, Rejected) and c.job_id == spec.job_id]
     if rejected:
         held = ctl.assets.pop(spec.job_id, None)
+        ctl.store.drop_job(spec.job_id)
         if held is not None and held.trackers is not None:
             held.trackers.event({"kind": "state", "state": "CANCELLED"})
         raise ValueError(rejected[0].reason)
+    ctl.journal_status(spec.job_id)
+    await ctl.journaled()  # recorded before acknowledged
     return {"job_id": spec.job_id, "token": job_token, "status": ctl.machine.status(
         spec.job_id).to_dict()}
 
@@ -124,7 +135,10 @@ async def request(ctl: ClusterController, *, job_id: str, what: str, arg: Any = 
     status = _known(ctl, job_id)
     if what in REQUESTS:
         check_owner(ctl, job_id, token, what, status)
-    return {"status": apply_request(ctl, job_id, what, arg)}
+    after = apply_request(ctl, job_id, what, arg)
+    ctl.journal_status(job_id)
+    await ctl.journaled()  # recorded before acknowledged
+    return {"status": after}
 
 
 def check_owner(ctl: ClusterController, job_id: str, token: str, what: str,
@@ -202,26 +216,53 @@ async def follow(ctl: ClusterController, *, cursors: Mapping[str, list[int]],
             continue
         rows_from, events_from, *rest = cursor
         update = assets.log.since(rows_from, events_from, max_rows, *rest[:1])
+        await _older_from_store(ctl, jid, assets.log, update,
+                                {"rows": rows_from, "events": events_from,
+                                 "output": rest[0] if rest else 0}, max_rows)
         update["status"] = status
         out[jid] = update
     return {"jobs": out}
 
 
+async def _older_from_store(ctl: ClusterController, job_id: str, log: JobLog,
+                            update: dict[str, Any], cursors: Mapping[str, int],
+                            max_rows: int) -> None:
+    """Positions a follower asks for that memory no longer holds come from the journal
+    (read on a thread: the loop never waits on the disk)."""
+    tails = {"rows": log.rows, "events": log.events, "output": log.output}
+    for table, tail in tails.items():
+        start = int(cursors[table])
+        if start >= tail.base:
+            continue
+        limit = min(tail.base - start, max_rows if table == "rows" else 10_000)
+        at, items = await asyncio.to_thread(ctl.store.history, table, job_id, start, limit)
+        if items:
+            update[f"{table}_at"] = at
+            update[table] = [tuple(x) for x in items] if table == "rows" else items
+
+
 async def jobs(ctl: ClusterController) -> dict[str, Any]:
-    listing = [ctl._status(jid) for jid in ctl.machine.job_ids()]
+    listing = [ctl._status(jid) for jid in ctl.job_ids()]
     return {"jobs": [s for s in listing if s is not None]}
 
 
 async def job(ctl: ClusterController, *, key: str) -> dict[str, Any]:
-    """One job by id, or the newest job of that name: what a client needs to attach."""
-    ids = ctl.machine.job_ids()
+    """One job by id, or the newest job of that name: what a client needs to attach
+    (an old ended job is read back from the journal)."""
+    ids = ctl.job_ids()
     if key not in ids:
         named = [jid for jid in ids if ctl.assets.get(jid) and ctl.assets[jid].spec.name == key]
-        if not named:
-            names = sorted({ctl.assets[j].spec.name for j in ids if j in ctl.assets})
-            raise LookupError(f"no job with id or name {key!r} on this cluster; its jobs: "
-                              f"{', '.join(names[-20:]) or 'none'}")
-        key = named[-1]
+        if named:
+            key = named[-1]
+        else:
+            stored = await asyncio.to_thread(ctl.store.job, str(key))
+            if stored is None:
+                names = sorted({ctl.assets[j].spec.name for j in ids if j in ctl.assets})
+                raise LookupError(f"no job with id or name {key!r} on this cluster; its "
+                                  f"jobs: {', '.join(names[-20:]) or 'none'}")
+            key = stored.job_id
+            if key not in ctl.assets:
+                ctl.archive(stored)
     assets = ctl.assets[key]
     from nbtrain.engine.wire import plain
 
@@ -234,6 +275,8 @@ async def result(ctl: ClusterController, *, job_id: str) -> dict[str, Any]:
     nothing), or why there is none."""
     _known(ctl, job_id)
     assets = ctl.assets[job_id]
+    if assets.final is not None and assets.result is None and assets.result_error is None:
+        assets.result, assets.result_error = await asyncio.to_thread(ctl.store.result, job_id)
     return {"result": assets.result, "error": assets.result_error}
 
 
@@ -246,7 +289,7 @@ def cluster_snapshot(ctl: ClusterController, log_from: int = 0) -> dict[str, Any
     and the class view show)."""
     queue = [] if ctl.machine.sched is None else ctl.machine.sched.queued()
     at, log = ctl.cluster_log.since(log_from, 1_000)
-    listing = [ctl._status(jid) for jid in ctl.machine.job_ids()]
+    listing = [ctl._status(jid) for jid in ctl.job_ids()]
     return {"slots": [_with_labels(ctl, s) for s in ctl.machine.slots()], "queue": queue,
             "pending_workers": len(ctl._pending_workers),
             "jobs": [s for s in listing if s is not None],
@@ -341,8 +384,9 @@ async def control(ctl: ClusterController, *, job_id: str, generation: int, versi
 def _known(ctl: ClusterController, job_id: str) -> dict[str, Any]:
     status = ctl._status(job_id) if job_id in ctl.assets else None
     if status is None:
-        raise LookupError(f"no job {job_id!r} on this cluster (ended jobs are forgotten after "
-                          f"{ctl.settings.jobs_kept} more have ended)")
+        raise LookupError(f"no job {job_id!r} on this cluster's controller now (ended jobs "
+                          f"leave its memory after {ctl.settings.jobs_kept} more have ended: "
+                          "cluster.job(name_or_id) reads them back from its state directory)")
     return status
 
 

@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 __all__ = ["JobFailedError", "JobHandle"]
 
 
+def _clock(epoch: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(epoch))
+
+
 class JobFailedError(RuntimeError):
     """Raised by :meth:`JobHandle.result` when the job failed."""
 
@@ -56,6 +60,7 @@ class JobHandle:
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
         self._following = False
         self._problem: str | None = None
+        self._unreachable_since: float | None = None
         self.submitted_at = float(self._status.get("submitted") or time.time())
 
     # -- identity -----------------------------------------------------------------------
@@ -89,8 +94,23 @@ class JobHandle:
 
     @property
     def reason(self) -> str:
-        """Why the job is in its state: what it waits for, or how it ended."""
-        return str(self._get("reason", "waiting for the scheduler"))
+        """Why the job is in its state: what it waits for, or how it ended (and, while the
+        controller cannot be reached, since when)."""
+        reason = str(self._get("reason", "waiting for the scheduler"))
+        lost = self.unreachable_since
+        if lost is not None:
+            return (f"controller unreachable since {_clock(lost)} (last known: "
+                    f"{self.status.value}, {reason})")
+        return reason
+
+    @property
+    def unreachable_since(self) -> float | None:
+        """When the cluster's controller stopped answering this handle's follower (epoch
+        seconds), None while it answers. The handle keeps its last known state meanwhile and
+        picks up where it was when the controller is back (a restarted scheduler restores
+        its jobs from its state directory)."""
+        with self._lock:
+            return self._unreachable_since
 
     @property
     def generation(self) -> int:
@@ -335,6 +355,13 @@ class JobHandle:
         """Block until the job ends; return its final state. Raises TimeoutError."""
         self._follow()
         if not self._done.wait(timeout):
+            lost = self.unreachable_since
+            if lost is not None:
+                raise TimeoutError(
+                    f"job {self.name}: the nbtrain controller has been unreachable since "
+                    f"{_clock(lost)} ({self._problem}); last known {self.status.value} at "
+                    f"step {self.spec.progress(self.step)}. If its scheduler restarts on "
+                    "the same state directory the job continues: wait again")
             raise TimeoutError(
                 f"job {self.name} still {self.status.value} after {timeout} s "
                 f"(step {self.spec.progress(self.step)}); call job.stop() to end it"
@@ -436,9 +463,12 @@ class JobHandle:
     def _drained(self) -> bool:
         return self._done.is_set()
 
-    def _connection_problem(self, exc: BaseException) -> None:
+    def _connection_problem(self, exc: BaseException, since: float | None = None) -> None:
+        """The follower could not reach the controller (``since``: when it first failed)."""
         with self._lock:
             self._problem = f"{type(exc).__name__}: {exc}"
+            if self._unreachable_since is None:
+                self._unreachable_since = since or time.time()
 
     def _apply(self, update: Mapping[str, Any]) -> None:
         """Take what the controller sent: rows and events after our positions, the status."""
@@ -452,6 +482,8 @@ class JobHandle:
         new_events: list[dict[str, Any]] = []
         with self._lock:
             self._problem = None
+            self._unreachable_since = None
+            self._rewind(update)
             rows = update.get("rows") or []
             if rows:
                 at = int(update.get("rows_at", self._rows_pos))
@@ -482,9 +514,27 @@ class JobHandle:
         if terminal and drained:
             self._done.set()
 
+    def _rewind(self, update: Mapping[str, Any]) -> None:
+        """A restarted controller lost what it had not journaled yet (its last fraction of a
+        second): where its log ends before our position, drop what we hold past that end, so
+        what it writes there next is not skipped."""
+        for key, items, pos in (("rows", self._rows, "_rows_pos"),
+                                ("events", self._events, "_events_pos"),
+                                ("output", self._output, "_output_pos")):
+            end = update.get(f"{key}_end")
+            if end is None:
+                continue
+            ahead = getattr(self, pos) - int(end)
+            if ahead > 0:
+                del items[max(0, len(items) - ahead):]
+                setattr(self, pos, int(end))
+
     # -- notebook display -----------------------------------------------------------------
     def __repr__(self) -> str:
-        return (f"<JobHandle {self.name} {self.status.value} step {self.spec.progress(self.step)} "
+        state = self.status.value
+        if self.unreachable_since is not None:
+            state = f"{state}? (controller unreachable)"
+        return (f"<JobHandle {self.name} {state} step {self.spec.progress(self.step)} "
                 f"world_size={self.spec.world_size}: {self.reason}>")
 
     def _repr_html_(self) -> str:

@@ -3,14 +3,18 @@
 Step rows (``nbtrain.core.records.JOB_ROW_COLUMNS``) and events, each an append-only list
 addressed by absolute position, so a client asks for "everything after position n" and never
 misses or repeats anything. Memory is bounded: past ``rows_kept`` rows (or ``events_kept``
-events) the oldest are dropped, and a client that was further behind starts at the oldest
-kept position (``base``).
+events) the oldest are dropped from memory. With a ``sink`` (the controller's durable store)
+every item is also journaled at its position, and older positions are read from there; without
+one a client that was further behind starts at the oldest kept position (``base``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
+
+#: Where a job log journals what it adds: (table, first position, items).
+Sink = Callable[[str, int, list[Any]], None]
 
 __all__ = ["JobLog", "Tail"]
 
@@ -18,11 +22,11 @@ __all__ = ["JobLog", "Tail"]
 class Tail:
     """An append-only list that forgets its oldest items beyond ``keep``."""
 
-    def __init__(self, keep: int) -> None:
+    def __init__(self, keep: int, base: int = 0) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.keep = keep
-        self.base = 0  # absolute position of items[0]
+        self.base = base  # absolute position of items[0]
         self.items: list[Any] = []
 
     @property
@@ -48,16 +52,24 @@ class JobLog:
     """Rows and events of one job, plus what a client needs to rebuild its handle."""
 
     def __init__(self, *, rows_kept: int, events_kept: int = 20_000,
-                 output_kept: int = 10_000) -> None:
-        self.rows = Tail(rows_kept)
-        self.events = Tail(events_kept)
-        self.output = Tail(output_kept)
+                 output_kept: int = 10_000, sink: Sink | None = None,
+                 ends: Mapping[str, int] | None = None) -> None:
+        ends = ends or {}
+        self.rows = Tail(rows_kept, ends.get("rows", 0))
+        self.events = Tail(events_kept, ends.get("events", 0))
+        self.output = Tail(output_kept, ends.get("output", 0))
+        self.sink = sink
+
+    def _add(self, table: str, tail: Tail, items: list[Any]) -> None:
+        if self.sink is not None and items:
+            self.sink(table, tail.end, items)
+        tail.extend(items)
 
     def add_rows(self, generation: int, rank: int, rows: Sequence[Sequence[Any]]) -> None:
-        self.rows.extend((generation, rank, *row) for row in rows)
+        self._add("rows", self.rows, [(generation, rank, *row) for row in rows])
 
     def add_event(self, event: Mapping[str, Any]) -> None:
-        self.events.extend([dict(event)])
+        self._add("events", self.events, [dict(event)])
 
     def add_output(self, msg: Mapping[str, Any]) -> None:
         """A rank's batch of output lines (and how many it dropped)."""
@@ -68,7 +80,7 @@ class JobLog:
             lines.append({"rank": rank, "gen": gen, "stream": "nbtrain", "time": t,
                           "text": f"... {msg['dropped']} lines dropped (more than "
                                   "Settings.log_lines_per_s)"})
-        self.output.extend(lines)
+        self._add("output", self.output, lines)
 
     def since(self, rows_from: int, events_from: int, max_rows: int,
               output_from: int = 0) -> dict[str, Any]:

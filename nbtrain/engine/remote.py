@@ -30,6 +30,11 @@ __all__ = ["Follower", "Remote"]
 FOLLOW_TIMEOUT_S = 2.0
 #: Timeout of a plain call to the controller.
 CALL_TIMEOUT_S = 60.0
+#: A follow call that has not returned this long after its own timeout counts as the
+#: controller being unreachable (a dead scheduler: Dask's connect retries for 30 s).
+UNREACHABLE_AFTER_S = 2.0
+#: Longest pause between the follower's tries to reach a lost controller.
+RETRY_MAX_S = 2.0
 
 
 class Remote:
@@ -39,12 +44,28 @@ class Remote:
     def __init__(self, client: Client, operator_token: str = "") -> None:
         self.client = client
         self.operator_token = operator_token
+        self.address = str(client.scheduler.address) if client.scheduler else ""
+        self._security = getattr(client, "security", None)
+        self._lock = threading.Lock()
+        #: Clients this Remote made to replace one that gave up reconnecting (closed by us).
+        self.made: list[Client] = []
+
+    def _live_client(self) -> Client:
+        """The client, or a new one to the same address when Dask closed it (a client whose
+        scheduler stays away longer than its connect timeout closes itself)."""
+        with self._lock:
+            if self.client.status in ("closed", "closing") and self.address:
+                self.client = Client(self.address, security=self._security,
+                                     set_as_default=False, timeout=5)
+                self.made.append(self.client)
+            return self.client
 
     def call(self, op: str, *, rpc_timeout: float = CALL_TIMEOUT_S, **kwargs: Any
              ) -> Mapping[str, Any]:
         try:
-            reply = self.client.sync(getattr(self.client.scheduler, op),
-                                     callback_timeout=rpc_timeout, **kwargs)
+            client = self._live_client()
+            reply = client.sync(getattr(client.scheduler, op), callback_timeout=rpc_timeout,
+                                **kwargs)
         except (OSError, TimeoutError) as exc:
             raise ControllerError(f"the nbtrain controller did not answer {op}: "
                                   f"{type(exc).__name__}: {exc}") from exc
@@ -66,6 +87,7 @@ class Follower:
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         self.errors = 0
+        self.lost_at: float | None = None
 
     def follow(self, handle: JobHandle) -> None:
         with self._lock:
@@ -92,14 +114,18 @@ class Follower:
             cursors = {jid: list(h._cursor()) for jid, h in handles.items()}
             try:
                 reply = self.remote.call("nbtrain_follow", cursors=cursors,
-                                         timeout=FOLLOW_TIMEOUT_S)
+                                         timeout=FOLLOW_TIMEOUT_S,
+                                         rpc_timeout=FOLLOW_TIMEOUT_S + UNREACHABLE_AFTER_S)
             except Exception as exc:
                 if self._closed.is_set():
                     return
+                if self.errors == 0:
+                    self.lost_at = time.time()
                 self.errors += 1
                 for h in handles.values():
-                    h._connection_problem(exc)
-                time.sleep(min(5.0, 0.2 * self.errors))
+                    h._connection_problem(exc, self.lost_at)
+                # Reconnect with backoff: soon after a blip, every couple of seconds after.
+                self._closed.wait(min(RETRY_MAX_S, 0.1 * 2 ** min(self.errors, 5)))
                 continue
             self.errors = 0
             for jid, update in dict(reply.get("jobs", {})).items():

@@ -3,8 +3,15 @@
 Unlike ``connect()``'s embedded cluster, it runs in processes of its own, so it outlives the
 kernel that uses it: a notebook kernel can be restarted and ``connect(address)`` finds its
 jobs still running. nbtrain's controller is preloaded into the scheduler with the settings of
-the environment that starts it (e.g. ``NBTRAIN_OPERATOR_TOKEN``, ``NBTRAIN_TEAM_WEIGHTS``).
+the environment that starts it (e.g. ``NBTRAIN_OPERATOR_TOKEN``, ``NBTRAIN_TEAM_WEIGHTS``)
+and journals into a state directory (``NBTRAIN_STATE_DIR``; ``<logs>/state`` by default).
 Everything listens on the loopback interface.
+
+**Supervision.** With ``supervise=True`` (what ``nbtrain cluster`` runs) a thread watches the
+processes and starts again whichever exits: the scheduler at the same address on the same
+state directory (its controller restores every job from the journal), and the ``dask worker``
+processes, which Dask ends when their scheduler connection breaks. A process that keeps dying
+is started again with a growing pause (up to ``MAX_BACKOFF_S``).
 
 ``nbtrain cluster --workers 2`` runs one until Ctrl-C; tests and benchmarks use
 :func:`standalone_cluster`.
@@ -19,8 +26,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -28,6 +36,10 @@ from typing import IO
 __all__ = ["StandaloneCluster", "free_port", "standalone_cluster"]
 
 BIN = Path(sys.executable).parent
+#: Longest pause before a process that keeps exiting is started again.
+MAX_BACKOFF_S = 10.0
+#: A process that ran at least this long before it exited is started again at once.
+HEALTHY_S = 30.0
 
 
 def free_port() -> int:
@@ -37,61 +49,142 @@ def free_port() -> int:
 
 
 @dataclass
+class Supervised:
+    """One process the cluster runs, and how to start it again."""
+
+    name: str
+    argv: Sequence[str]
+    env: Mapping[str, str]
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    restarts: int = 0
+    #: When this process last exited (monotonic), for measurements.
+    exits: list[float] = field(default_factory=list)
+
+    def start(self, files: list[IO[bytes]]) -> subprocess.Popen[bytes]:
+        out = open(self.log, "ab")  # noqa: SIM115 (closed in stop)
+        files.append(out)
+        self.proc = subprocess.Popen(list(self.argv), stdout=out, stderr=subprocess.STDOUT,
+                                     env=dict(self.env), start_new_session=True)
+        self.started = time.monotonic()
+        return self.proc
+
+
+@dataclass
 class StandaloneCluster:
     address: str
     operator_token: str
     logs: Path
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    state_dir: Path
+    scheduler: Supervised
+    workers: list[Supervised] = field(default_factory=list)
     _files: list[IO[bytes]] = field(default_factory=list)
+    _supervisor: threading.Thread | None = None
+    _stopping: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    #: What the supervisor did: (monotonic time, process name, "exited"/"started").
+    history: list[tuple[float, str, str]] = field(default_factory=list)
+
+    @property
+    def procs(self) -> list[subprocess.Popen[bytes]]:
+        """The processes running now (the scheduler first)."""
+        with self._lock:
+            return [p.proc for p in (self.scheduler, *self.workers) if p.proc is not None]
 
     def add_workers(self, n: int, *, env: Mapping[str, str] | None = None,
                     name: str = "w") -> subprocess.Popen[bytes]:
         """``dask worker`` with ``n`` worker processes (each under a nanny), one thread each.
         ``env`` labels them, e.g. ``{"NBTRAIN_WORKER_HOST": "node1"}``."""
-        log = open(self.logs / f"worker-{name}.log", "ab")  # noqa: SIM115 (closed in stop)
-        self._files.append(log)
-        proc = subprocess.Popen(
-            [str(BIN / "dask"), "worker", self.address, "--nworkers", str(n), "--nthreads", "1",
-             "--host", "127.0.0.1", "--name", name, "--no-dashboard"],
-            stdout=log, stderr=subprocess.STDOUT,
+        worker = Supervised(
+            name=f"worker-{name}",
+            argv=[str(BIN / "dask"), "worker", self.address, "--nworkers", str(n),
+                  "--nthreads", "1", "--host", "127.0.0.1", "--name", name, "--no-dashboard"],
             env={**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False", **(env or {})},
-            start_new_session=True)
-        self.procs.append(proc)
-        return proc
+            log=self.logs / f"worker-{name}.log")
+        with self._lock:
+            self.workers.append(worker)
+            return worker.start(self._files)
+
+    def supervise(self, *, poll_s: float = 0.1) -> None:
+        """Start again, from now on, whichever of the cluster's processes exits."""
+        if self._supervisor is None:
+            self._supervisor = threading.Thread(target=self._watch, args=(poll_s,),
+                                                name="nbtrain-supervisor", daemon=True)
+            self._supervisor.start()
+
+    def _watch(self, poll_s: float) -> None:
+        while not self._stopping.wait(poll_s):
+            with self._lock:
+                everyone = [self.scheduler, *self.workers]
+            for p in everyone:
+                if p.proc is None or p.proc.poll() is None or self._stopping.is_set():
+                    continue
+                now = time.monotonic()
+                p.exits.append(now)
+                self.history.append((now, p.name, "exited"))
+                p.restarts = 0 if now - p.started > HEALTHY_S else p.restarts + 1
+                pause = min(MAX_BACKOFF_S, 0.5 * (2 ** p.restarts) - 0.5)
+                if self._stopping.wait(pause):
+                    return
+                _kill_group(p.proc)  # children left behind (a worker's nanny's processes)
+                with self._lock:
+                    p.start(self._files)
+                self.history.append((time.monotonic(), p.name, "started"))
+
+    def kill_scheduler(self) -> int:
+        """SIGKILL the scheduler process (a fault for tests and benchmarks); its pid."""
+        proc = self.scheduler.proc
+        assert proc is not None
+        os.kill(proc.pid, signal.SIGKILL)
+        return proc.pid
 
     def stop(self, timeout: float = 20.0) -> None:
-        for proc in reversed(self.procs):
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout)
+        procs = self.procs
+        for proc in reversed(procs):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        for proc in self.procs:
+        for proc in procs:
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+                _kill_group(proc)
                 proc.wait(10)
         for f in self._files:
             f.close()
 
 
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def start(workers: int, *, logs: Path, scheduler_env: Mapping[str, str] | None = None,
           worker_env: Mapping[str, str] | None = None, port: int = 0,
-          timeout: float = 120.0) -> StandaloneCluster:
+          timeout: float = 120.0, state_dir: Path | None = None,
+          supervise: bool = False) -> StandaloneCluster:
     """Start a scheduler (nbtrain's controller preloaded) and ``workers`` workers; wait until
-    they are all connected."""
+    they are all connected. ``supervise``: start again whichever process exits."""
     from distributed import Client
 
     port = port or free_port()
     token = (scheduler_env or {}).get("NBTRAIN_OPERATOR_TOKEN") or secrets.token_hex(16)
-    env = {**os.environ, **(scheduler_env or {}), "NBTRAIN_OPERATOR_TOKEN": token}
+    state = Path(state_dir or (scheduler_env or {}).get("NBTRAIN_STATE_DIR")
+                 or os.environ.get("NBTRAIN_STATE_DIR") or logs / "state")
+    env = {**os.environ, **(scheduler_env or {}), "NBTRAIN_OPERATOR_TOKEN": token,
+           "NBTRAIN_STATE_DIR": str(state)}
     logs.mkdir(parents=True, exist_ok=True)
-    log = open(logs / "scheduler.log", "ab")  # noqa: SIM115 (closed in stop)
-    sched = subprocess.Popen(
-        [str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", str(port),
-         "--dashboard-address", "127.0.0.1:0", "--preload", "nbtrain.engine.preload"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    cluster = StandaloneCluster(f"tcp://127.0.0.1:{port}", token, logs, [sched], [log])
+    sched = Supervised(
+        name="scheduler",
+        argv=[str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", str(port),
+              "--dashboard-address", "127.0.0.1:0", "--preload", "nbtrain.engine.preload"],
+        env=env, log=logs / "scheduler.log")
+    cluster = StandaloneCluster(f"tcp://127.0.0.1:{port}", token, logs, state, sched)
+    sched.start(cluster._files)
     try:
         if workers:
             cluster.add_workers(workers, env=worker_env)
@@ -101,6 +194,8 @@ def start(workers: int, *, logs: Path, scheduler_env: Mapping[str, str] | None =
     except BaseException:
         cluster.stop()
         raise
+    if supervise:
+        cluster.supervise()
     return cluster
 
 
@@ -108,10 +203,11 @@ def start(workers: int, *, logs: Path, scheduler_env: Mapping[str, str] | None =
 def standalone_cluster(workers: int = 2, *, logs: Path,
                        scheduler_env: Mapping[str, str] | None = None,
                        worker_env: Mapping[str, str] | None = None,
-                       timeout: float = 120.0) -> Iterator[StandaloneCluster]:
+                       timeout: float = 120.0, state_dir: Path | None = None,
+                       supervise: bool = False) -> Iterator[StandaloneCluster]:
     """A standalone cluster for the duration of a ``with`` block."""
     cluster = start(workers, logs=logs, scheduler_env=scheduler_env, worker_env=worker_env,
-                    timeout=timeout)
+                    timeout=timeout, state_dir=state_dir, supervise=supervise)
     try:
         yield cluster
     finally:
@@ -119,7 +215,7 @@ def standalone_cluster(workers: int = 2, *, logs: Path,
 
 
 def main(argv: list[str]) -> int:
-    """``nbtrain cluster``: run a standalone cluster on this machine until Ctrl-C."""
+    """``nbtrain cluster``: run a supervised standalone cluster on this machine until Ctrl-C."""
     import argparse
     import tempfile
 
@@ -127,21 +223,29 @@ def main(argv: list[str]) -> int:
         prog="nbtrain cluster",
         description="Run a Dask cluster with nbtrain's controller on this machine (loopback "
                     "only) until Ctrl-C; connect to it with nbtrain.connect(ADDRESS). It "
-                    "outlives the notebooks that use it.")
+                    "outlives the notebooks that use it, and its scheduler and workers are "
+                    "started again when they die (jobs continue from the state directory).")
     parser.add_argument("--workers", type=int, default=2, help="worker processes (slots)")
     parser.add_argument("--port", type=int, default=8786, help="scheduler port (default 8786)")
     parser.add_argument("--logs", default=None, help="directory for the processes' logs")
+    parser.add_argument("--state-dir", default=None,
+                        help="the controller's state directory (default: NBTRAIN_STATE_DIR, "
+                             "else ~/.nbtrain/state/127.0.0.1-PORT)")
     args = parser.parse_args(argv)
     logs = Path(args.logs or tempfile.mkdtemp(prefix="nbtrain-cluster-"))
-    cluster = start(args.workers, logs=logs, port=args.port)
-    print(f"nbtrain cluster at {cluster.address} with {args.workers} slots; logs in {logs}",
-          flush=True)
+    state = Path(args.state_dir or os.environ.get("NBTRAIN_STATE_DIR")
+                 or Path("~/.nbtrain/state").expanduser() / f"127.0.0.1-{args.port}")
+    cluster = start(args.workers, logs=logs, port=args.port, state_dir=state, supervise=True)
+    print(f"nbtrain cluster at {cluster.address} with {args.workers} slots; logs in {logs}; "
+          f"state in {state}", flush=True)
     print(f"operator token: {cluster.operator_token}", flush=True)
+    seen = 0
     try:
-        while all(p.poll() is None for p in cluster.procs):
+        while True:
             time.sleep(1.0)
-        print("a cluster process exited; see the logs", file=sys.stderr)
-        return 1
+            for _when, name, what in cluster.history[seen:]:
+                print(f"{time.strftime('%H:%M:%S')} {name} {what}", flush=True)
+            seen = len(cluster.history)
     except KeyboardInterrupt:
         return 0
     finally:
