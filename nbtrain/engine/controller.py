@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from distributed import Client, Future, SchedulerPlugin
@@ -35,7 +33,6 @@ from distributed import Client, Future, SchedulerPlugin
 from nbtrain.config import Settings
 from nbtrain.core.checkpoint_policy import parse_checkpoint_setting
 from nbtrain.core.health import hung_ranks, rank_stacks
-from nbtrain.core.job import JobSpec
 from nbtrain.core.lifecycle import JobMachine
 from nbtrain.core.lifecycle_types import (
     AbortCollectives,
@@ -60,43 +57,15 @@ from nbtrain.core.lifecycle_types import (
     WorkerLeft,
 )
 from nbtrain.core.sched_types import SchedulerConfig
-from nbtrain.engine.joblog import JobLog, Tail
+from nbtrain.engine.assets import PLUGIN_NAME, JobAssets, token_hash
+from nbtrain.engine.joblog import Tail
 from nbtrain.engine.tasks import run_rank_task
-from nbtrain.engine.trackers import TrackerSink
 from nbtrain.runtime.events import RANK_TOPIC
 from nbtrain.runtime.launch import CheckpointPlan, RankLaunch
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["RANK_TOPIC", "ClusterController", "JobAssets", "token_hash"]
-
-PLUGIN_NAME = "nbtrain"
-
-
-def token_hash(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
-@dataclass
-class JobAssets:
-    """What the engine holds for a job besides the machine's record: the recipe and where
-    its checkpoints go (the machine needs neither to decide)."""
-
-    spec: JobSpec
-    recipe: bytes
-    settings: Settings
-    checkpoint_url: str
-    restore: tuple[str, int | None] | None
-    token_hash: str
-    log: JobLog
-    futures: dict[int, dict[int, Future]] = field(default_factory=dict)  # gen -> rank -> future
-    rendezvous: dict[int, dict[str, Any]] = field(default_factory=dict)  # gen -> host, port
-    control: dict[str, Any] = field(default_factory=dict)  # gen, version, flags
-    last_ended: int = -1  # the newest generation that has ended
-    result: bytes | None = None  # a training function's return value on rank 0, pickled
-    result_error: str | None = None
-    trackers: TrackerSink | None = None  # TensorBoard / MLflow, fed from here
-
 
 class ClusterController(SchedulerPlugin):
     """nbtrain's controller inside the Dask scheduler. See the module docstring."""
@@ -110,7 +79,7 @@ class ClusterController(SchedulerPlugin):
     # ================================================================== lifecycle
     async def start(self, scheduler: Any) -> None:
         from nbtrain.engine import handlers, pages
-        from nbtrain.engine.pages import ViewTicket
+        from nbtrain.engine.tickets import ViewTicket
 
         if getattr(self, "scheduler", None) is scheduler:
             # Registered by a --preload, then started again at the end of the scheduler's
