@@ -27,13 +27,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import time
 import traceback
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +40,6 @@ from distributed import Client, Future, SchedulerPlugin
 from nbtrain.config import Settings
 from nbtrain.core.checkpoint_policy import parse_checkpoint_setting
 from nbtrain.core.health import hung_ranks, rank_stacks
-from nbtrain.core.job import JobSpec
 from nbtrain.core.lifecycle import JobMachine
 from nbtrain.core.lifecycle_types import (
     AbortCollectives,
@@ -70,10 +67,10 @@ from nbtrain.core.lifecycle_types import (
     WorkerLeft,
 )
 from nbtrain.core.sched_types import SchedulerConfig
+from nbtrain.engine.assets import PLUGIN_NAME, JobAssets, token_hash
 from nbtrain.engine.joblog import JobLog, Tail
 from nbtrain.engine.store import TERMINAL, ControllerStore, StoredJob
 from nbtrain.engine.tasks import run_rank_task
-from nbtrain.engine.trackers import TrackerSink
 from nbtrain.runtime.events import RANK_TOPIC
 from nbtrain.runtime.launch import CheckpointPlan, RankLaunch
 
@@ -81,42 +78,11 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["RANK_TOPIC", "ClusterController", "JobAssets", "token_hash"]
 
-PLUGIN_NAME = "nbtrain"
-
-
-def token_hash(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
 def default_state_dir(address: str) -> Path:
     """``~/.nbtrain/state/<host>-<port>``: one directory per scheduler address, so a
     scheduler restarted at the same address finds its journal."""
     where = address.split("://", 1)[-1].replace("/", "_").replace(":", "-") or "scheduler"
     return Path("~/.nbtrain/state").expanduser() / where
-
-
-@dataclass
-class JobAssets:
-    """What the engine holds for a job besides the machine's record: the recipe and where
-    its checkpoints go (the machine needs neither to decide)."""
-
-    spec: JobSpec
-    recipe: bytes
-    settings: Settings
-    checkpoint_url: str
-    restore: tuple[str, int | None] | None
-    token_hash: str
-    log: JobLog
-    futures: dict[int, dict[int, Future]] = field(default_factory=dict)  # gen -> rank -> future
-    rendezvous: dict[int, dict[str, Any]] = field(default_factory=dict)  # gen -> host, port
-    control: dict[str, Any] = field(default_factory=dict)  # gen, version, flags
-    last_ended: int = -1  # the newest generation that has ended
-    result: bytes | None = None  # a training function's return value on rank 0, pickled
-    result_error: str | None = None
-    trackers: TrackerSink | None = None  # TensorBoard / MLflow, fed from here
-    #: The status of a job the machine does not hold: one that had ended before this
-    #: controller started, read back from the journal.
-    final: dict[str, Any] | None = None
 
 
 class ClusterController(SchedulerPlugin):
@@ -131,7 +97,7 @@ class ClusterController(SchedulerPlugin):
     # ================================================================== lifecycle
     async def start(self, scheduler: Any) -> None:
         from nbtrain.engine import handlers, pages
-        from nbtrain.engine.pages import ViewTicket
+        from nbtrain.engine.tickets import ViewTicket
 
         if getattr(self, "scheduler", None) is scheduler:
             # Registered by a --preload, then started again at the end of the scheduler's

@@ -78,7 +78,7 @@ async def submit(ctl: ClusterController, *, job: Mapping[str, Any], recipe: byte
                  settings: Mapping[str, Any], checkpoint_url: str,
                  restore: list[Any] | None = None, token: str = "",
                  trackers: list[Mapping[str, Any]] | None = None) -> dict[str, Any]:
-    from nbtrain.engine.controller import JobAssets, token_hash
+    from nbtrain.engine.assets import JobAssets, token_hash
 
     sub = submission_from_wire(job)
     spec = sub.spec
@@ -144,7 +144,7 @@ async def request(ctl: ClusterController, *, job_id: str, what: str, arg: Any = 
 def check_owner(ctl: ClusterController, job_id: str, token: str, what: str,
                 status: Mapping[str, Any] | None = None) -> None:
     """PermissionError unless ``token`` is the job's or the operator's."""
-    from nbtrain.engine.controller import token_hash
+    from nbtrain.engine.assets import token_hash
 
     status = status or _known(ctl, job_id)
     assets = ctl.assets[job_id]
@@ -302,7 +302,7 @@ async def view(ctl: ClusterController, *, job_id: str | None = None,
     """Where a live page is: the class view, or a job's page with a ticket for its controls
     when ``token`` is the job's or the operator's (else read-only). ``served``: "dashboard" or
     "attached" when the scheduler serves the pages, "none" when it cannot."""
-    from nbtrain.engine.pages import PAGE_CLUSTER, PAGE_JOB, issue_ticket, page_path
+    from nbtrain.engine.tickets import PAGE_CLUSTER, PAGE_JOB, issue_ticket, page_path
 
     served = getattr(ctl, "pages", "none")
     if job_id is None:
@@ -391,7 +391,7 @@ def _known(ctl: ClusterController, job_id: str) -> dict[str, Any]:
 
 
 def _is_operator(ctl: ClusterController, token: str) -> bool:
-    from nbtrain.engine.controller import token_hash
+    from nbtrain.engine.assets import token_hash
 
     return bool(token) and bool(ctl.operator_hash) and token_hash(token) == ctl.operator_hash
 

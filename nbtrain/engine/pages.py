@@ -16,10 +16,11 @@ scheduler starts in this process (``connect()``'s embedded cluster, ``dask sched
 to a cluster started without the preload) :func:`attach` serves them from a second Bokeh
 application on the same web server (the pages work; dask-labextension does not list them).
 
-Tickets: a page's controls act through the same rules as the API. ``job.dashboard()`` asks
-the controller for a ticket, which it grants to the job's owner or the operator; the ticket
-goes in the page's URL, is valid for that one job for ``view_ticket_s``, and is dropped when
-the job is forgotten. A saved notebook holds the URL: treat it like a short-lived password.
+Tickets (:mod:`nbtrain.engine.tickets`): a page's controls act through the same rules as
+the API. ``job.dashboard()`` asks the controller for a ticket, which it grants to the job's
+owner or the operator; the ticket goes in the page's URL, is valid for that one job for
+``view_ticket_s``, and is dropped when the job is forgotten. A saved notebook holds the URL:
+treat it like a short-lived password.
 """
 
 from __future__ import annotations
@@ -27,12 +28,11 @@ from __future__ import annotations
 import functools
 import html
 import logging
-import secrets
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
+
+from nbtrain.engine.tickets import PAGE_CLUSTER, PAGE_JOB, ViewTicket, check_ticket
 
 if TYPE_CHECKING:
     from nbtrain.engine.controller import ClusterController
@@ -41,18 +41,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["PAGE_CLUSTER", "PAGE_JOB", "ControllerFeed", "ViewTicket", "attach", "install"]
 
-PAGE_JOB = "/individual-nbtrain-job"
-PAGE_CLUSTER = "/individual-nbtrain-cluster"
 #: How often a page pulls what is new (ms): live to the eye, cheap for the scheduler.
 REFRESH_MS = 250
-
-
-@dataclass(frozen=True)
-class ViewTicket:
-    """The right to steer one job from its page, until ``expires`` (monotonic)."""
-
-    job_id: str
-    expires: float
 
 
 # ====================================================================== documents
@@ -114,7 +104,7 @@ def _every(doc: Any, refresh: Any, what: str) -> None:
 
 
 def _controller(scheduler: Any) -> ClusterController | None:
-    from nbtrain.engine.controller import PLUGIN_NAME
+    from nbtrain.engine.assets import PLUGIN_NAME
 
     plugin = scheduler.plugins.get(PLUGIN_NAME)
     return plugin if plugin is not None and hasattr(plugin, "assets") else None
@@ -179,24 +169,6 @@ class ControllerFeed:
         apply_request(self.ctl, self.job_id, what, arg)
 
 
-# ====================================================================== tickets
-def issue_ticket(ctl: ClusterController, job_id: str) -> str:
-    """A new ticket for ``job_id`` (the caller checked ownership)."""
-    now = time.monotonic()
-    for key in [k for k, t in ctl.view_tickets.items() if t.expires < now
-                or t.job_id not in ctl.assets]:
-        del ctl.view_tickets[key]
-    ticket = secrets.token_urlsafe(18)
-    ctl.view_tickets[ticket] = ViewTicket(job_id, now + ctl.settings.view_ticket_s)
-    return ticket
-
-
-def check_ticket(ctl: ClusterController, job_id: str, ticket: str) -> bool:
-    held = ctl.view_tickets.get(ticket)
-    return (held is not None and held.job_id == job_id and held.expires > time.monotonic()
-            and job_id in ctl.assets)
-
-
 # ====================================================================== serving
 def install() -> None:
     """Add the pages to Dask's dashboard applications (idempotent): every scheduler started
@@ -238,9 +210,3 @@ def attach(scheduler: Any) -> str:
     bokeh_app.initialize(IOLoop.current())
     bokeh_app.start()
     return "attached"
-
-
-def page_path(path: str, **query: str) -> str:
-    """``path`` relative to the dashboard's root, with its query."""
-    query = {k: v for k, v in query.items() if v}
-    return path.lstrip("/") + (f"?{urlencode(query)}" if query else "")

@@ -9,8 +9,6 @@ one. The controller reads each joining worker's labels with :func:`worker_labels
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import sys
 import threading
 from typing import Any
@@ -48,22 +46,11 @@ def worker_labels() -> dict[str, str]:
     s = Settings.load()
     labels = {"host": s.worker_host, "nvlink": s.worker_nvlink, "leaf": s.worker_leaf,
               "nbtrain": nbtrain.__version__}
-    if nvidia_driver_present():
-        from nbtrain.engine.gpus import gpu_labels
+    from nbtrain.engine.gpus import gpu_labels, nvidia_driver_present
 
+    if nvidia_driver_present():
         labels.update(gpu_labels(s))
     return labels
-
-
-def nvidia_driver_present() -> bool:
-    """Whether this machine may have NVIDIA GPUs at all: the driver's control device on Linux
-    (present in GPU containers too), else an ``nvidia-smi`` on the PATH. Checked before
-    anything else, so CPU workers pay nothing for GPU discovery: a worker's labels are read
-    while it joins, when it is busy importing torch and every import competes for the GIL
-    (measured: importing the discovery modules there delayed a join by ~0.3 s)."""
-    if sys.platform.startswith("linux"):
-        return os.path.exists("/dev/nvidiactl")
-    return shutil.which("nvidia-smi") is not None
 
 
 def _warm_up() -> None:

@@ -25,7 +25,7 @@ from bokeh.models.widgets.markups import Div
 from bokeh.models.widgets.tables import DataTable, HTMLTemplateFormatter, TableColumn
 
 from nbtrain.core.job import format_progress
-from nbtrain.ui.cluster_view import fit_slot_figure, slot_columns, slot_figure
+from nbtrain.ui.slots import fit_slot_figure, slot_columns, slot_figure
 
 __all__ = ["ClusterPage"]
 

@@ -1,10 +1,11 @@
 """``job.dashboard()``: a live ipywidgets layout with Bokeh plots, or text lines when headless.
 
-The widget pulls what is new from the :class:`~nbtrain.engine.job.JobHandle` on the kernel's
-event loop a few times a second (:mod:`nbtrain.ui.poller`), never from Dask's or the
-controller's threads, and draws it in one batch per plot. Plot buffers roll over, so memory is
-bounded however long the job runs. Buttons call the handle's methods at once; the handle
-returns immediately and the controller does the work, so the kernel stays free.
+The widget pulls what is new from the job (a :class:`~nbtrain.ui.jobview.JobView`: the
+``JobHandle``) on the kernel's event loop a few times a second (:mod:`nbtrain.ui.poller`),
+never from Dask's or the controller's threads, and draws it in one batch per plot. Plot
+buffers roll over, so memory is bounded however long the job runs. Buttons call the handle's
+methods at once; the handle returns immediately and the controller does the work, so the
+kernel stays free.
 
 Controls appear as the handle grows them: Stop always; Preempt/Resume and Checkpoint now
 when the handle has ``preempt``/``resume``/``checkpoint``; the fault-injection panel when it
@@ -25,9 +26,9 @@ from typing import Any, TextIO
 
 import ipywidgets as widgets
 
-from nbtrain.engine.job import JobHandle
 from nbtrain.ui.display import dashboard_hz, in_kernel, resolve_display
 from nbtrain.ui.eventlog import EventLog
+from nbtrain.ui.jobview import JobView
 from nbtrain.ui.panels import alerts_html, checkpoint_html, header_html
 from nbtrain.ui.plots import (
     PHASES,
@@ -64,7 +65,7 @@ def ensure_bokehjs(force: bool = False) -> bool:
     return True
 
 
-def job_dashboard(job: JobHandle, display: str | None = None, **options: Any) -> Any:
+def job_dashboard(job: JobView, display: str | None = None, **options: Any) -> Any:
     """The view ``job.dashboard(display=...)`` returns: :class:`JobDashboard` (a widget) or
     :class:`TextProgress` (lines on stdout), chosen by :func:`~nbtrain.ui.display.resolve_display`.
     ``options`` go to the chosen class."""
@@ -93,7 +94,7 @@ class JobDashboard(widgets.VBox):
 
     OUTPUT_LINES = 8  # recent output lines shown per rank
 
-    def __init__(self, job: JobHandle, *, rate_hz: float | None = None,
+    def __init__(self, job: JobView, *, rate_hz: float | None = None,
                  lines_max_ranks: int = 8, window_steps: int = 600, max_points: int = 20_000,
                  alerts_shown: int = 8, show_suspects: bool = False,
                  start: bool = True) -> None:
@@ -386,7 +387,7 @@ class TextProgress:
     from that thread; no widget is involved). Stragglers are printed once confirmed;
     ``show_suspects=True`` prints the suspects (the early signal) too."""
 
-    def __init__(self, job: JobHandle, *, interval_s: float | None = None,
+    def __init__(self, job: JobView, *, interval_s: float | None = None,
                  out: TextIO | None = None, show_suspects: bool = False,
                  start: bool = True) -> None:
         from nbtrain.config import Settings

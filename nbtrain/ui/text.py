@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
 from typing import TextIO
 
 from nbtrain.core.records import METRICS, RANK, TIME
-from nbtrain.engine.job import JobHandle
+from nbtrain.ui.jobview import JobView
 
 
-def progress_line(job: JobHandle) -> str:
+def progress_line(job: JobView) -> str:
     """One line: state, step, latest loss (and accuracy), recent steps/s."""
     rows, _ = job.rows_since(max(0, job.row_count - 400))
     main = [r for r in rows if r[RANK] == 0]
@@ -36,7 +37,7 @@ def _latest(rows: list[tuple[object, ...]], key: str) -> float | None:
     return None
 
 
-def follow(job: JobHandle, *, interval_s: float = 2.0, out: TextIO | None = None,
+def follow(job: JobView, *, interval_s: float = 2.0, out: TextIO | None = None,
            timeout: float | None = None) -> None:
     """Print a progress line every ``interval_s`` until the job ends (blocks: for scripts)."""
     stream = out or sys.stdout
@@ -49,6 +50,7 @@ def follow(job: JobHandle, *, interval_s: float = 2.0, out: TextIO | None = None
         if line != last:
             print(line, file=stream, flush=True)
             last = line
-        job._done.wait(interval_s)
+        with contextlib.suppress(TimeoutError):  # not ended yet: the next line
+            job.wait(timeout=interval_s)
     print(progress_line(job), file=stream, flush=True)
     print(f"[{job.name}] {job.status.value}: {job.reason}", file=stream, flush=True)
