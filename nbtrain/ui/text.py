@@ -17,6 +17,10 @@ def progress_line(job: JobView) -> str:
     rows, _ = job.rows_since(max(0, job.row_count - 400))
     main = [r for r in rows if r[RANK] == 0]
     parts = [f"[{job.name}] {job.status.value:<9} step {job.spec.progress(job.step):>6}"]
+    lost = job.unreachable_since
+    if lost is not None:
+        clock = time.strftime("%H:%M:%S", time.localtime(lost))
+        parts.append(f"controller unreachable since {clock}")
     if len(main) >= 2:
         span = main[-1][TIME] - main[0][TIME]
         if span > 0:
