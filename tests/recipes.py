@@ -250,3 +250,16 @@ def parallel_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> dict[str
     return {"mesh": ctx.mesh_info.to_dict() if ctx.mesh_info else None,
             "describe": str(ctx.mesh_info), "losses": losses,
             "compiled_graphs": int(counters["stats"]["unique_graphs"])}
+
+
+def bad_rows_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> None:
+    """Sends the controller step rows it cannot read (a step that is not a number), then
+    waits to be stopped: the controller must fail this job alone."""
+    from distributed import get_worker
+
+    get_worker().log_event("nbtrain-ranks", {
+        "kind": "steps", "job": ctx.job_id, "gen": ctx.generation, "rank": ctx.rank,
+        "rows": [["not-a-step", 0.0, 0.01, 0.0, 0.01, 0.0, 0.0]]})
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        time.sleep(0.05)

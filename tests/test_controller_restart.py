@@ -55,3 +55,56 @@ def test_scheduler_killed_while_training_the_job_resumes_exactly(tmp_path: Path)
         with other:
             seen = other.job("durable")
             assert seen.status is JobState.SUCCEEDED and seen.id == job.id
+
+
+@pytest.mark.slow
+def test_queue_order_held_jobs_and_ownership_survive_a_restart(tmp_path: Path) -> None:
+    """A full cluster with three jobs queued behind it and one held: after the kill the
+    running job resumes, the queued ones start in their order, the held one stays held until
+    its owner resumes it; the owner can stop a job afterwards, a stranger still cannot."""
+    with standalone_cluster(2, logs=tmp_path / "logs", supervise=True) as cc, \
+            _connect(cc.address, tmp_path / "tokens.json") as c:
+        running = c.submit(Regression(step_sleep=0.02), world_size=2, steps=10**6,
+                           checkpoint=10, name="running")
+        queued = [c.submit(Regression(), world_size=2, steps=20, checkpoint=None,
+                           name=f"queued-{i}") for i in range(3)]
+        held = c.submit(Regression(), world_size=2, steps=20, checkpoint=None, name="held")
+        held.preempt()
+        wait_for(lambda: running.step >= 20 and held.status is JobState.PREEMPTED, 180,
+                 "one job training, three queued, one held")
+        cc.kill_scheduler()
+        wait_for(lambda: running.unreachable_since is not None, 30, "the handles noticing")
+        wait_for(lambda: running.unreachable_since is None and running.step >= 40, 180,
+                 "the running job resumed after the restart")
+        assert [j.status for j in queued] == [JobState.QUEUED] * 3
+        assert held.status is JobState.PREEMPTED
+        with _connect(cc.address, tmp_path / "stranger.json") as stranger:
+            theirs = stranger.job("running")
+            with pytest.raises(PermissionError):
+                theirs.stop()
+        running.stop()
+        for job in queued:
+            assert job.wait(300) is JobState.SUCCEEDED, job.reason
+        starts = [j.started_at for j in queued]
+        assert all(s is not None for s in starts) and starts == sorted(starts), starts  # type: ignore[type-var]
+        assert held.status is JobState.PREEMPTED
+        held.resume()
+        assert held.wait(300) is JobState.SUCCEEDED, held.reason
+        assert running.wait(60) is JobState.CANCELLED
+
+
+def test_an_error_inside_the_controller_fails_only_its_job(
+        free_cluster: nbtrain.Cluster) -> None:
+    """A rank sends step rows the machine cannot read: that job ends FAILED with the
+    controller's traceback as its cause; the other job, and the controller's clock, go on."""
+    from tests.recipes import bad_rows_train
+
+    bad = free_cluster.submit(bad_rows_train, world_size=1, name="bad-rows")
+    good = free_cluster.submit(Regression(), world_size=1, steps=60, checkpoint=None,
+                               name="good")
+    assert bad.wait(120) is JobState.FAILED
+    assert "nbtrain controller error" in bad.reason and "ValueError" in bad.reason
+    assert bad.error is not None and "Traceback" in bad.error
+    assert good.wait(120) is JobState.SUCCEEDED, good.reason
+    log = free_cluster.snapshot()["log"]
+    assert any(e.get("kind") == "controller_error" and e.get("job") == bad.id for e in log)

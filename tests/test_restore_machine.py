@@ -136,3 +136,14 @@ def test_a_controller_error_fails_only_its_job() -> None:
     h.submit("next")
     h.advance(1.0)
     assert h.state("next") == "QUEUED", "the failed job's slots wait for their workers"
+
+
+def test_an_elastic_job_restarts_at_the_size_its_user_asked_for() -> None:
+    h = Harness(workers=2)
+    h.feed(Submitted, JobSubmission(spec=_spec("el", 2, min_size=1, max_size=2),
+                                    policy=POLICY))
+    h.steps("el", 0, 10)
+    h.feed(Request, "el", "resize", {"size": 1})
+    n = carry_over(h, ["el"])
+    [launch] = n.launches("el")
+    assert len(launch.addresses) == 1

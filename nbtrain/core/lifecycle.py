@@ -272,7 +272,10 @@ class JobMachine:
 
     def _admit(self, job: LiveJob) -> None:
         spec = job.spec
-        request = JobRequest(job_id=job.id, size=spec.world_size, priority=spec.priority,
+        # ``target``: the size asked for, the world size unless a resize (carried over a
+        # controller restart) asked for another.
+        request = JobRequest(job_id=job.id, size=job.target if spec.resizable
+                             else spec.world_size, priority=spec.priority,
                              team=spec.team, layout=spec.layout,
                              min_size=spec.bounds[0] if spec.resizable else None)
         self._sched(Submit(self.now, request))
