@@ -602,6 +602,8 @@ class ClusterController(SchedulerPlugin):
                 assets.trackers.rows([(gen, rank, *row) for row in msg["rows"]])
         now, wall = self.now()
         self.feed(RankMessage(now, wall, job_id, msg))
+        if kind == "checkpoint" and msg.get("phase") == "committed":
+            self.journal_status(job_id)  # a restart resumes from here: journal it now
         self.wake()
 
     # ================================================================== bookkeeping

@@ -37,9 +37,9 @@ __all__ = ["StandaloneCluster", "free_port", "standalone_cluster"]
 
 BIN = Path(sys.executable).parent
 #: Longest pause before a process that keeps exiting is started again.
-MAX_BACKOFF_S = 10.0
+MAX_BACKOFF_S = 5.0
 #: A process that ran at least this long before it exited is started again at once.
-HEALTHY_S = 30.0
+HEALTHY_S = 10.0
 
 
 def free_port() -> int:
@@ -114,19 +114,35 @@ class StandaloneCluster:
             self._supervisor.start()
 
     def _watch(self, poll_s: float) -> None:
+        due: dict[str, float] = {}  # process name -> when to start it again (monotonic)
         while not self._stopping.wait(poll_s):
             with self._lock:
                 everyone = [self.scheduler, *self.workers]
+            now = time.monotonic()
             for p in everyone:
-                if p.proc is None or p.proc.poll() is None or self._stopping.is_set():
+                if p.proc is None or p.name in due or p.proc.poll() is None:
                     continue
-                now = time.monotonic()
                 p.exits.append(now)
                 self.history.append((now, p.name, "exited"))
+                # A process that keeps dying soon after its start waits longer each time.
                 p.restarts = 0 if now - p.started > HEALTHY_S else p.restarts + 1
-                pause = min(MAX_BACKOFF_S, 0.5 * (2 ** p.restarts) - 0.5)
-                if self._stopping.wait(pause):
-                    return
+                due[p.name] = now + min(MAX_BACKOFF_S, 0.5 * (2 ** p.restarts) - 0.5)
+                if p is self.scheduler:
+                    # Dask ends every worker whose scheduler connection breaks, a few
+                    # seconds later; start them again now, so they are connecting (they
+                    # wait for the scheduler) while it starts.
+                    for w in everyone[1:]:
+                        if w.proc is not None and w.name not in due:
+                            _kill_group(w.proc)
+                            w.proc.wait(10)
+                            self.history.append((now, w.name, "stopped"))
+                            due[w.name] = now
+            for p in everyone:
+                when = due.get(p.name)
+                if when is None or time.monotonic() < when or self._stopping.is_set():
+                    continue
+                del due[p.name]
+                assert p.proc is not None
                 _kill_group(p.proc)  # children left behind (a worker's nanny's processes)
                 with self._lock:
                     p.start(self._files)
