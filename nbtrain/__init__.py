@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from nbtrain.core.job import JobSpec, JobState
     from nbtrain.engine.cluster import Cluster, connect
     from nbtrain.engine.job import JobFailedError, JobHandle
+    from nbtrain.engine.runrecord import RunRecord, load_run
     from nbtrain.runtime.context import RankContext
     from nbtrain.runtime.errors import RankFailure
     from nbtrain.runtime.recipe import Recipe
@@ -35,10 +36,12 @@ _WHERE = {
     "RankContext": "nbtrain.runtime.context",
     "RankFailure": "nbtrain.runtime.errors",
     "Recipe": "nbtrain.runtime.recipe",
+    "RunRecord": "nbtrain.engine.runrecord",
     "Settings": "nbtrain.config",
     "connect": "nbtrain.engine.cluster",
     "export_checkpoint": "nbtrain.checkpoints",
     "load_checkpoint": "nbtrain.checkpoints",
+    "load_run": "nbtrain.engine.runrecord",
 }
 
 __all__ = [
@@ -52,10 +55,12 @@ __all__ = [
     "RankContext",
     "RankFailure",
     "Recipe",
+    "RunRecord",
     "Settings",
     "connect",
     "export_checkpoint",
     "load_checkpoint",
+    "load_run",
 ]
 __version__ = "0.1.0"
 

@@ -137,6 +137,9 @@ class Settings:
     result_max_bytes: int = 64 * 1024 * 1024
 
     # -- this client
+    #: Step rows a job handle keeps in memory (the newest); ``job.metrics`` reads older ones
+    #: from the controller's journal.
+    handle_rows_kept: int = 50_000
     #: Where a client keeps the tokens of the jobs it submitted, so a restarted kernel can
     #: steer them again ("" keeps them in memory only). One file per user, mode 0600.
     token_file: str = "~/.nbtrain/tokens.json"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -23,11 +24,30 @@ from nbtrain.core.faults import Fault
 from nbtrain.core.job import JobSpec, JobState
 from nbtrain.core.records import JOB_ROW_COLUMNS
 from nbtrain.core.straggler import StragglerSettings
+from nbtrain.engine.joblog import Tail
 
 if TYPE_CHECKING:
     from nbtrain.engine.cluster import Cluster
 
 __all__ = ["JobFailedError", "JobHandle"]
+
+_log = logging.getLogger(__name__)
+#: What a handle keeps in memory without a cluster's settings (``Settings.handle_rows_kept``).
+ROWS_KEPT = 50_000
+EVENTS_KEPT = 20_000
+OUTPUT_KEPT = 20_000
+
+
+def row_frame(rows: list[Any]) -> pd.DataFrame:
+    """Step rows (``JOB_ROW_COLUMNS`` then an optional metrics dict) as a DataFrame."""
+    base = list(JOB_ROW_COLUMNS)
+    if not rows:
+        return pd.DataFrame(columns=base)
+    frame = pd.DataFrame([r[: len(base)] for r in rows], columns=base)
+    extra = [r[len(base)] if len(r) > len(base) else {} for r in rows]
+    if any(extra):
+        frame = frame.join(pd.DataFrame(extra, index=frame.index))
+    return frame
 
 
 def _clock(epoch: float) -> str:
@@ -50,13 +70,14 @@ class JobHandle:
         self._lock = threading.RLock()
         self._done = threading.Event()
         self._status: dict[str, Any] = dict(status or {})
-        self._rows: list[tuple[Any, ...]] = []  # JOB_ROW_COLUMNS, then the metrics dict
-        self._rows_pos = 0  # absolute position of the next row to fetch
-        self._events: list[dict[str, Any]] = []
-        self._events_pos = 0
-        self._output: list[dict[str, Any]] = []  # the ranks' output lines
-        self._output_pos = 0
-        self._ends = (0, 0)  # the controller's rows and events ends at the last update
+        # The newest rows, events and output lines by absolute position (older rows are
+        # read back from the controller's journal when asked for).
+        keep = cluster.settings.handle_rows_kept if cluster is not None else ROWS_KEPT
+        self._rows = Tail(keep)  # JOB_ROW_COLUMNS, then the metrics dict
+        self._events = Tail(EVENTS_KEPT)
+        self._output = Tail(OUTPUT_KEPT)  # the ranks' output lines
+        self._frame: pd.DataFrame | None = None  # job.metrics as last built ...
+        self._frame_end = 0  # ... up to this row position
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
         self._following = False
         self._problem: str | None = None
@@ -176,35 +197,77 @@ class JobHandle:
         faults, stragglers), oldest first."""
         self._follow()
         with self._lock:
-            return list(self._events)
+            return list(self._events.items)
 
     @property
     def metrics(self) -> pd.DataFrame:
-        """One row per rank per step: phase times in seconds and the recipe's metrics."""
+        """One row per rank per step: phase times in seconds and the recipe's metrics (the
+        whole run: rows older than the handle keeps come from the controller's journal).
+        Built once and extended with new rows on later reads."""
         self._follow()
         with self._lock:
-            rows = list(self._rows)
-        base = list(JOB_ROW_COLUMNS)
-        if not rows:
-            return pd.DataFrame(columns=base)
-        frame = pd.DataFrame([r[: len(base)] for r in rows], columns=base)
-        extra = [r[len(base)] if len(r) > len(base) else {} for r in rows]
-        if any(extra):
-            frame = frame.join(pd.DataFrame(extra, index=frame.index))
-        return frame
+            end, base = self._rows.end, self._rows.base
+            frame, frame_end = self._frame, self._frame_end
+            if frame is not None and frame_end == end:
+                return frame.copy()
+            if frame is not None and base <= frame_end <= end:
+                _, new = self._rows.since(frame_end, end)
+                older: list[Any] = []
+            else:
+                frame, new = None, list(self._rows.items)
+        if frame is None:
+            older = self._fetch_rows(0, base) if base else []
+        built = row_frame(older + new)
+        if frame is not None and len(built):
+            built = pd.concat([frame, built], ignore_index=True)
+        elif frame is not None:
+            built = frame
+        with self._lock:
+            self._frame, self._frame_end = built, end
+        return built.copy()
+
+    def _fetch_rows(self, start: int, stop: int) -> list[Any]:
+        """Rows ``start..stop`` from the controller (its journal), oldest first; what could
+        be read if it cannot be reached."""
+        out: list[Any] = []
+        if self._cluster is None:
+            return out
+        pos = start
+        while pos < stop:
+            try:
+                reply = self._cluster._remote.call(
+                    "nbtrain_follow", cursors={self.id: [pos, 1 << 62, 1 << 62]}, timeout=0)
+            except Exception as exc:
+                _log.warning("nbtrain: job %s: rows %d-%d could not be read from the "
+                             "controller (%s)", self.name, pos, stop, exc)
+                break
+            update = reply["jobs"].get(self.id) or {}
+            rows = update.get("rows") or []
+            at = int(update.get("rows_at", pos))
+            if not rows or at >= stop:
+                break
+            out.extend(tuple(r) for r in rows[: stop - at])
+            pos = at + len(rows)
+        return out
 
     @property
     def row_count(self) -> int:
-        """Step rows received so far (all ranks and generations)."""
+        """Step rows received so far (all ranks and generations): the position after the
+        newest."""
         self._follow()
         with self._lock:
-            return len(self._rows)
+            return self._rows.end
 
     def rows_since(self, index: int) -> tuple[list[tuple[Any, ...]], int]:
-        """Step rows appended after position ``index``, and the new position (for live views)."""
+        """Step rows after position ``index``, and the new position (for live views); rows
+        older than the handle keeps are read from the controller."""
         self._follow()
         with self._lock:
-            return self._rows[index:], len(self._rows)
+            base, end = self._rows.base, self._rows.end
+            _, rows = self._rows.since(index, end)
+        if index < base:
+            rows = self._fetch_rows(index, base) + rows
+        return rows, end
 
     def subscribe(self, listener: Callable[[dict[str, Any]], None]) -> None:
         """Call ``listener(event)`` for each future non-step event (on the cluster's follower
@@ -219,14 +282,14 @@ class JobHandle:
 
         self._follow()
         with self._lock:
-            records = [o for o in self._output if rank is None or o["rank"] == rank]
+            records = [o for o in self._output.items if rank is None or o["rank"] == rank]
         return format_lines(records[-tail:] if tail else records)
 
     def output_since(self, index: int) -> tuple[list[dict[str, Any]], int]:
         """Output records after position ``index`` and the new position (for live views)."""
         self._follow()
         with self._lock:
-            return self._output[index:], len(self._output)
+            return self._output.since(index, self._output.end)[1], self._output.end
 
     @property
     def faults(self) -> list[dict[str, Any]]:
@@ -458,7 +521,7 @@ class JobHandle:
 
     def _cursor(self) -> tuple[int, int, int]:
         with self._lock:
-            return self._rows_pos, self._events_pos, self._output_pos
+            return self._rows.end, self._events.end, self._output.end
 
     def _drained(self) -> bool:
         return self._done.is_set()
@@ -486,25 +549,21 @@ class JobHandle:
             self._rewind(update)
             rows = update.get("rows") or []
             if rows:
-                at = int(update.get("rows_at", self._rows_pos))
-                self._rows.extend(tuple(r) for r in rows)
-                self._rows_pos = at + len(rows)
+                self._rows.put(int(update.get("rows_at", self._rows.end)),
+                               [tuple(r) for r in rows])
             events = update.get("events") or []
             if events:
-                at = int(update.get("events_at", self._events_pos))
-                new_events = [dict(e) for e in events]
-                self._events.extend(new_events)
-                self._events_pos = at + len(events)
+                at = int(update.get("events_at", self._events.end))
+                new_events = [dict(e) for e in events[max(0, self._events.end - at):]]
+                self._events.put(at, [dict(e) for e in events])
             output = update.get("output") or []
             if output:
-                at = int(update.get("output_at", self._output_pos))
-                self._output.extend(dict(o) for o in output)
-                self._output_pos = at + len(output)
+                self._output.put(int(update.get("output_at", self._output.end)),
+                                 [dict(o) for o in output])
             if "status" in update:
                 self._status = dict(update["status"])
-            ends = (int(update.get("rows_end", self._rows_pos)),
-                    int(update.get("events_end", self._events_pos)))
-            drained = self._rows_pos >= ends[0] and self._events_pos >= ends[1]
+            drained = (self._rows.end >= int(update.get("rows_end", self._rows.end))
+                       and self._events.end >= int(update.get("events_end", self._events.end)))
             terminal = JobState(self._status.get("state", "QUEUED")).terminal
             listeners = list(self._listeners)
         for event in new_events:
@@ -518,16 +577,13 @@ class JobHandle:
         """A restarted controller lost what it had not journaled yet (its last fraction of a
         second): where its log ends before our position, drop what we hold past that end, so
         what it writes there next is not skipped."""
-        for key, items, pos in (("rows", self._rows, "_rows_pos"),
-                                ("events", self._events, "_events_pos"),
-                                ("output", self._output, "_output_pos")):
+        for key, tail in (("rows", self._rows), ("events", self._events),
+                          ("output", self._output)):
             end = update.get(f"{key}_end")
-            if end is None:
-                continue
-            ahead = getattr(self, pos) - int(end)
-            if ahead > 0:
-                del items[max(0, len(items) - ahead):]
-                setattr(self, pos, int(end))
+            if end is not None and int(end) < tail.end:
+                tail.rewind(int(end))
+                if key == "rows":
+                    self._frame = None
 
     # -- notebook display -----------------------------------------------------------------
     def __repr__(self) -> str:

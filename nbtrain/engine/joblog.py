@@ -47,6 +47,22 @@ class Tail:
         i = start - self.base
         return start, self.items[i : i + limit]
 
+    def put(self, at: int, items: Sequence[Any]) -> None:
+        """Items that start at absolute position ``at`` (a mirror's copy of another tail):
+        what it holds already is skipped; after a gap the tail starts again at ``at``."""
+        if at > self.end or not self.items:
+            self.items.clear()
+            self.base = at
+        elif at < self.end:
+            items = items[self.end - at:]
+        self.extend(items)
+
+    def rewind(self, end: int) -> None:
+        """Forget the items at ``end`` and after (the source lost them)."""
+        if end < self.end:
+            del self.items[max(0, end - self.base):]
+            self.base = min(self.base, end)
+
 
 class JobLog:
     """Rows and events of one job, plus what a client needs to rebuild its handle."""

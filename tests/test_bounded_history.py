@@ -1,0 +1,125 @@
+"""History outlives the scheduler and memory stays bounded: a real journal (SQLite in a
+temporary state directory) fed like a long 64-rank job, the controller's job log and a job
+handle keeping only their windows, and a run read back with no cluster (``load_run``)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import nbtrain
+from nbtrain.core.job import JobSpec
+from nbtrain.core.lifecycle_types import JobSubmission
+from nbtrain.engine.job import JobHandle
+from nbtrain.engine.joblog import JobLog
+from nbtrain.engine.store import ControllerStore
+from nbtrain.engine.wire import submission_to_wire
+
+RANKS = 64
+
+
+def _rows(step: int) -> list[list[Any]]:
+    return [[step, 1e9 + step, 0.01, 0.0, 0.008, 0.001, 0.001, {"loss": 1.0 / step}]]
+
+
+def _store_with_job(tmp: Path, job_id: str = "j1", name: str = "long") -> ControllerStore:
+    store = ControllerStore(tmp / "state")
+    spec = JobSpec(job_id=job_id, name=name, world_size=RANKS, steps=None)
+    store.add_job(job_id=job_id, name=name, submission=submission_to_wire(
+        JobSubmission(spec=spec)), recipe=b"", settings={}, checkpoint_url=str(tmp / "ck"),
+        restore=None, token_hash="0" * 64, trackers=None, status={"state": "RUNNING"})
+    return store
+
+
+def test_the_job_log_keeps_a_window_and_the_journal_keeps_everything(tmp_path: Path) -> None:
+    store = _store_with_job(tmp_path)
+    keep = 2_000
+    log = JobLog(rows_kept=keep, sink=lambda t, at, items: store.add_history(t, "j1", at,
+                                                                             items))
+    steps = 400  # 64 ranks x 400 steps = 25,600 rows, >12x the window
+    for step in range(1, steps + 1):
+        for rank in range(RANKS):
+            log.add_rows(0, rank, _rows(step))
+        assert len(log.rows.items) <= keep + keep // 8
+    store.barrier().result(60)
+    assert log.rows.end == RANKS * steps
+    assert log.rows.base >= RANKS * steps - keep - keep // 8
+    at, old = store.history("rows", "j1", 0, 100)
+    assert at == 0 and [r[:3] for r in old[:2]] == [[0, 0, 1], [0, 1, 1]]
+    at, tail = store.history("rows", "j1", log.rows.base, 10)
+    assert at == log.rows.base and [tuple(r) for r in tail] == log.rows.items[:10]
+    assert store.ends("j1")["rows"] == RANKS * steps
+    store.close()
+
+
+def test_a_handle_keeps_its_window_and_counts_every_row() -> None:
+    handle = JobHandle(JobSpec(job_id="h1", name="h", world_size=RANKS, steps=None))
+    keep = handle._rows.keep
+    pos = 0
+    for step in range(1, 1_200 + 1):  # 76,800 rows > the handle's 50,000
+        rows = [[0, r, *_rows(step)[0]] for r in range(RANKS)]
+        handle._apply({"rows_at": pos, "rows": rows, "rows_end": pos + len(rows),
+                       "events_end": 0, "status": {"state": "RUNNING"}})
+        pos += len(rows)
+        assert len(handle._rows.items) <= keep + keep // 8
+    assert handle._rows.end == pos == RANKS * 1_200
+    at, rows = handle._rows.since(pos - 3, 10)
+    assert at == pos - 3 and len(rows) == 3
+    assert handle.rows_since(pos - 3) == (rows, pos)
+
+
+def test_a_handle_drops_what_a_restarted_controller_lost() -> None:
+    handle = JobHandle(JobSpec(job_id="h2", name="h", world_size=2, steps=None))
+    rows = [[0, r, *_rows(s)[0]] for s in range(1, 11) for r in range(2)]
+    handle._apply({"rows_at": 0, "rows": rows, "rows_end": 20, "events_end": 0,
+                   "status": {"state": "RUNNING"}})
+    # The restarted controller journaled 16 rows; what it writes next lands at 16.
+    handle._apply({"rows_at": 16, "rows": [], "rows_end": 16, "events_end": 0,
+                   "status": {"state": "RUNNING"}})
+    assert handle._rows.end == 16
+    handle._apply({"rows_at": 16, "rows": rows[16:18], "rows_end": 18, "events_end": 0,
+                   "status": {"state": "RUNNING"}})
+    assert handle._rows.end == 18 and handle._rows.items[-1] == tuple(rows[17])
+
+
+def test_a_run_reads_back_without_a_cluster(tmp_path: Path) -> None:
+    store = _store_with_job(tmp_path, "r1", "readback")
+    log = JobLog(rows_kept=10, sink=lambda t, at, items: store.add_history(t, "r1", at, items))
+    for step in range(1, 51):
+        log.add_rows(0, 0, _rows(step))
+    log.add_event({"kind": "state", "state": "SUCCEEDED", "reason": "done", "time": 1.0})
+    log.add_output({"rank": 0, "gen": 0, "time": 1.0, "lines": [("stdout", "hello")]})
+    store.put_status("r1", {"state": "SUCCEEDED", "reason": "completed", "step": 50,
+                            "faults": [], "ended": time.time()}, None)
+    store.close()
+    run = nbtrain.load_run(tmp_path / "state", "readback")
+    assert run.state == "SUCCEEDED" and run.spec.world_size == RANKS
+    assert len(run.metrics) == 50 and run.metrics["loss"].iloc[-1] == pytest.approx(1 / 50)
+    assert run.events[-1]["state"] == "SUCCEEDED"
+    assert run.logs() and "hello" in run.logs()[0]
+    with pytest.raises(LookupError, match="readback"):
+        nbtrain.load_run(tmp_path / "state", "nope")
+    with pytest.raises(FileNotFoundError, match="no nbtrain controller state"):
+        nbtrain.load_run(tmp_path / "elsewhere", "readback")
+
+
+def test_metrics_read_the_journal_for_rows_both_windows_dropped() -> None:
+    """A live embedded cluster whose controller keeps 100 rows per job in memory and whose
+    handles keep 60: the whole run still comes back, from the journal."""
+    from nbtrain import JobState, Settings
+    from tests.recipes import Regression
+
+    settings = Settings.load(rows_kept=100, handle_rows_kept=60, token_file="")
+    with nbtrain.connect(n_workers=2, gpus=False, settings=settings) as c:
+        job = c.submit(Regression(), world_size=2, steps=200, checkpoint=None)
+        assert job.wait(180) is JobState.SUCCEEDED, job.reason
+        assert len(job._rows.items) <= 60 + 60 // 8 and job.row_count == 400
+        m = job.metrics
+        assert len(m) == 400
+        assert sorted(m[m["rank"] == 0]["step"]) == list(range(1, 201))
+        assert "loss" in m.columns and m["loss"].notna().all()
+        rows, end = job.rows_since(0)
+        assert end == 400 and len(rows) == 400
