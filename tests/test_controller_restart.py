@@ -108,3 +108,66 @@ def test_an_error_inside_the_controller_fails_only_its_job(
     assert good.wait(120) is JobState.SUCCEEDED, good.reason
     log = free_cluster.snapshot()["log"]
     assert any(e.get("kind") == "controller_error" and e.get("job") == bad.id for e in log)
+
+
+@pytest.mark.slow
+def test_the_readme_plain_dask_recipe_survives_a_scheduler_kill(tmp_path: Path) -> None:
+    """The README's recipe for plain ``dask scheduler`` / ``dask worker`` commands: each in a
+    shell restart loop, the controller preloaded on a state directory. SIGKILL the scheduler:
+    the loops start it and the workers again, and the job ends exactly."""
+    import os
+    import signal
+    import subprocess
+
+    from nbtrain.engine.standalone import BIN, free_port
+
+    port = free_port()
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}",
+           "NBTRAIN_STATE_DIR": str(tmp_path / "state"), "NBTRAIN_OPERATOR_TOKEN": "op"}
+    loops = {
+        "scheduler": f"while true; do dask scheduler --host 127.0.0.1 --port {port} "
+                     "--no-dashboard --preload nbtrain.engine.preload; sleep 1; done",
+        "workers": f"while true; do dask worker tcp://127.0.0.1:{port} --nworkers 2 "
+                   "--nthreads 1 --no-dashboard; sleep 1; done",
+    }
+    logs = {k: open(tmp_path / f"{k}.log", "wb") for k in loops}  # noqa: SIM115
+    procs = {k: subprocess.Popen(["bash", "-c", cmd], env=env, stdout=logs[k],
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+             for k, cmd in loops.items()}
+    try:
+        c = _connect(f"tcp://127.0.0.1:{port}", tmp_path / "tokens.json") if _up(port) \
+            else None
+        assert c is not None, "the scheduler did not start"
+        with c:
+            wait_for(lambda: len(c.free_slots) == 2, 120, "two slots")
+            job = c.submit(Regression(out_dir=str(out), step_sleep=0.02), world_size=2,
+                           steps=150, checkpoint=10, name="plain")
+            wait_for(lambda: job.step >= 40, 180, "the job training")
+            children = subprocess.run(["pgrep", "-P", str(procs["scheduler"].pid)],
+                                      capture_output=True, text=True).stdout.split()
+            assert len(children) == 1, children
+            os.kill(int(children[0]), signal.SIGKILL)
+            wait_for(lambda: job.unreachable_since is not None, 30, "the handle noticing")
+            assert job.wait(300) is JobState.SUCCEEDED, job.reason
+            assert "controller" in _faults(job)
+            assert_params_equal(out, single_process_params(150))
+    finally:
+        for proc in procs.values():
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        for f in logs.values():
+            f.close()
+
+
+def _up(port: int, timeout: float = 60.0) -> bool:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return True
+        time.sleep(0.1)
+    return False
