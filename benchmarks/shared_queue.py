@@ -128,6 +128,9 @@ def main() -> None:
         "submit_ms_max": round(submit_ms[-1], 2),
         "decision_ms_p99": round(float(decisions.get("p99", float("nan"))), 3),
         "decision_ms_p50": round(float(decisions.get("p50", float("nan"))), 3),
+        "decision_cpu_ms_p99": round(float(decisions.get("cpu_p99", float("nan"))), 3),
+        "decision_cpu_ms_max": round(float(decisions.get("cpu_max", float("nan"))), 3),
+        "decision_slowest_cpu": decisions.get("slowest", []),
         "decisions": int(decisions.get("n", 0)),
         "overhead_ratio": overhead["ratio"],
         "overhead_ratio_per_round_median": overhead["ratio_per_round_median"],
@@ -138,7 +141,8 @@ def main() -> None:
           f"({len(preemptions)} preemptions, {figures['forced_releases']} forced)")
     print(f"{'submit_ms_p50':32}{figures['submit_ms_p50']:>10}   target <= 50")
     print(f"{'decision_ms_p99':32}{figures['decision_ms_p99']:>10}   "
-          f"({figures['decisions']} events)")
+          f"({figures['decisions']} events; CPU p99 {figures['decision_cpu_ms_p99']} ms, "
+          f"max {figures['decision_cpu_ms_max']} ms: {figures['decision_slowest_cpu']})")
     print(f"{'overhead_ratio':32}{figures['overhead_ratio']:>10}   target >= 0.97")
     print(json.dumps(figures))
 

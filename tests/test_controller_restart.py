@@ -171,3 +171,71 @@ def _up(port: int, timeout: float = 60.0) -> bool:
                 return True
         time.sleep(0.1)
     return False
+
+
+@pytest.mark.slow
+def test_kills_in_a_preemption_grace_period_and_right_after_a_shrink(tmp_path: Path) -> None:
+    """SIGKILL while a victim's ranks checkpoint to release their slots for a priority job,
+    and again right after an elastic job was asked to shrink: both jobs end exactly, the
+    priority one first, the elastic one at the size its user asked for."""
+    outs = {k: tmp_path / k for k in ("low", "elastic")}
+    for o in outs.values():
+        o.mkdir()
+    with standalone_cluster(2, logs=tmp_path / "logs", supervise=True) as cc, \
+            _connect(cc.address, tmp_path / "tokens.json") as c:
+        low = c.submit(Regression(out_dir=str(outs["low"]), step_sleep=0.2), world_size=2,
+                       steps=40, checkpoint=None, name="low")
+        wait_for(lambda: low.step >= 5, 180, "the low job training")
+        high = c.submit(Regression(), world_size=2, steps=10, checkpoint=None, priority=5,
+                        name="high")
+        cc.kill_scheduler()  # the victim's ranks are at their agreed step or checkpointing
+        assert high.wait(300) is JobState.SUCCEEDED, high.reason
+        assert low.wait(300) is JobState.SUCCEEDED, low.reason
+        assert high.ended_at is not None and low.ended_at is not None
+        assert high.ended_at < low.ended_at
+        assert_params_equal(outs["low"], single_process_params(40))
+
+        elastic = c.submit(Regression(out_dir=str(outs["elastic"]), step_sleep=0.02),
+                           world_size=2, min_size=1, steps=120, checkpoint=10,
+                           name="elastic")
+        wait_for(lambda: elastic.step >= 20, 180, "the elastic job training")
+        elastic.resize(1)
+        cc.kill_scheduler()
+        assert elastic.wait(300) is JobState.SUCCEEDED, elastic.reason
+        assert elastic.target_size == 1 and elastic.size_bounds == (1, 2)
+        assert_params_equal(outs["elastic"], single_process_params(120), ranks=(0,))
+
+
+def test_a_controller_on_thousands_of_ended_jobs_keeps_the_newest_in_memory(
+        tmp_path: Path) -> None:
+    """Replay is bounded by ``jobs_kept``, not by the history: 3,000 ended jobs in the
+    journal, 50 of them in memory after the start, any older one still found by name."""
+    from nbtrain.core.job import JobSpec
+    from nbtrain.core.lifecycle_types import JobSubmission
+    from nbtrain.engine.store import ControllerStore
+    from nbtrain.engine.wire import submission_to_wire
+
+    state = tmp_path / "state"
+    store = ControllerStore(state)
+    for i in range(3_000):
+        jid = f"{i:08x}"
+        spec = JobSpec(job_id=jid, name=f"old-{i}", world_size=1, steps=10)
+        status = {"job_id": jid, "name": spec.name, "state": "SUCCEEDED", "step": 10,
+                  "reason": "completed", "owner": "someone", "faults": []}
+        store.add_job(job_id=jid, name=spec.name,
+                      submission=submission_to_wire(JobSubmission(spec=spec)), recipe=b"",
+                      settings={}, checkpoint_url=str(tmp_path / jid), restore=None,
+                      token_hash="0" * 64, trackers=None, status=status)
+        store.put_status(jid, status, None)
+        store.add_history("events", jid, 0, [{"kind": "state", "state": "SUCCEEDED",
+                                              "reason": "completed", "time": float(i)}])
+    store.close(60)
+    settings = Settings.load(state_dir=str(state), jobs_kept=50, token_file="")
+    with nbtrain.connect(n_workers=1, gpus=False, settings=settings) as c:
+        listed = c.jobs
+        assert [j.name for j in listed] == [f"old-{i}" for i in range(2_950, 3_000)]
+        restored = [e for e in c.snapshot()["log"] if e["kind"] == "restored"]
+        assert restored and restored[-1]["jobs"] == 50 and restored[-1]["live"] == 0
+        old = c.job("old-7")
+        assert old.status is JobState.SUCCEEDED and old.id == f"{7:08x}"
+        assert [e["state"] for e in old.events if e["kind"] == "state"] == ["SUCCEEDED"]

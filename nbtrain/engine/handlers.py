@@ -326,12 +326,22 @@ def _with_labels(ctl: ClusterController, slot: Mapping[str, Any]) -> dict[str, A
     return out
 
 
-def _decision_ms(ctl: ClusterController) -> dict[str, float]:
+def _decision_ms(ctl: ClusterController) -> dict[str, Any]:
+    """The machine's decision times (wall clock), their CPU time on the loop's thread, and
+    the slowest kinds of event by CPU time."""
     times = sorted(ctl.decision_s)
     if not times:
         return {}
-    pick = lambda q: 1e3 * times[min(len(times) - 1, int(q * len(times)))]  # noqa: E731
-    return {"p50": pick(0.5), "p99": pick(0.99), "max": 1e3 * times[-1], "n": len(times)}
+    cpu = sorted(ctl.decision_cpu_s)
+
+    def pick(values: list[Any], q: float) -> float:
+        v = values[min(len(values) - 1, int(q * len(values)))]
+        return 1e3 * float(v[0] if isinstance(v, tuple) else v)
+
+    return {"p50": pick(times, 0.5), "p99": pick(times, 0.99), "max": 1e3 * times[-1],
+            "n": len(times), "cpu_p50": pick(cpu, 0.5), "cpu_p99": pick(cpu, 0.99),
+            "cpu_max": 1e3 * cpu[-1][0],
+            "slowest": [f"{kind} {1e3 * t:.2f} ms" for t, kind in cpu[-5:][::-1]]}
 
 
 # ====================================================================== ranks
