@@ -170,7 +170,8 @@ def test_pages_are_served_by_a_scheduler_started_without_nbtrain(tmp_path: Path)
          "--host", "127.0.0.1", "--no-dashboard"], stdout=log, stderr=subprocess.STDOUT,
         start_new_session=True, env={**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"})
     try:
-        settings = Settings.load(token_file=str(tmp_path / "t.json"))
+        settings = Settings.load(token_file=str(tmp_path / "t.json"),
+                                 state_dir=str(tmp_path / "state"))
         with nbtrain.connect(f"tcp://127.0.0.1:{port}", settings=settings) as c, \
                 page(c.page().url) as doc:
             assert "nbtrain cluster" in model(doc, "nbtrain-cluster-header").text

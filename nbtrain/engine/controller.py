@@ -266,12 +266,8 @@ class ClusterController(SchedulerPlugin):
         status = self._status(job_id)
         if status is None or job_id not in self.assets or self.assets[job_id].final:
             return
-        carried = None
-        if status["state"] not in TERMINAL:
-            from nbtrain.engine.wire import plain
-
-            carried = plain(self.machine.carry(job_id))
-        self.store.put_status(job_id, status, carried)
+        carried = self.machine.carry(job_id) if status["state"] not in TERMINAL else None
+        self.store.put_status(job_id, status, carried)  # serialised on the writer thread
 
     async def journaled(self) -> None:
         """Until everything journaled so far is on disk (without blocking the loop)."""
@@ -412,6 +408,7 @@ class ClusterController(SchedulerPlugin):
 
     def remove_worker(self, scheduler: Any, worker: str, *, stimulus_id: str = "",
                       **kwargs: Any) -> None:
+        # feed() never raises; nothing else here can.
         self.worker_labels.pop(worker, None)
         if worker in self._pending_workers:
             self._pending_workers.discard(worker)
@@ -590,6 +587,17 @@ class ClusterController(SchedulerPlugin):
     def log_event(self, topic: str, msg: Any) -> None:
         if topic != RANK_TOPIC or not isinstance(msg, Mapping):
             return
+        try:
+            self._rank_event(msg)
+        except Exception:  # a malformed message: fail its job, never Dask's event handling
+            job_id = str(msg.get("job"))
+            tb = traceback.format_exc()
+            if job_id in self.assets:
+                now, wall = self.now()
+                self.feed(ControllerFailed(now, wall, job_id, tb))
+            logger.error("nbtrain controller: a rank event of job %s failed:\n%s", job_id, tb)
+
+    def _rank_event(self, msg: Mapping[str, Any]) -> None:
         job_id = str(msg.get("job"))
         assets = self.assets.get(job_id)
         if assets is None:

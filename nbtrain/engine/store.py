@@ -176,12 +176,16 @@ class ControllerStore:
         """A submission the machine rejected: it never was a job."""
         self._put(lambda: ("DELETE FROM jobs WHERE job_id = ?", (job_id,)))
 
-    def put_status(self, job_id: str, status: Mapping[str, Any],
-                   carried: Mapping[str, Any] | None) -> None:
+    def put_status(self, job_id: str, status: Mapping[str, Any], carried: Any) -> None:
+        """The job's status and ``carried`` (a ``CarriedHistory`` or its plain dict, None for
+        an ended job), both turned into JSON on the writer thread."""
+        from nbtrain.engine.wire import plain
+
         self._put(lambda: (
             "UPDATE jobs SET state = ?, status = ?, carried = ?, ended = ? WHERE job_id = ?",
             (str(status["state"]), _dumps(status),
-             None if carried is None else _dumps(carried), status.get("ended"), job_id)))
+             None if carried is None else _dumps(plain(carried)), status.get("ended"),
+             job_id)))
 
     def put_result(self, job_id: str, result: bytes | None, error: str | None) -> None:
         self._put(lambda: ("UPDATE jobs SET result = ?, result_error = ? WHERE job_id = ?",

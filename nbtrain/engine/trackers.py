@@ -156,6 +156,10 @@ class MLflowWriter:
 
 
 # ============================================================================ the sink
+#: Rows a job's trackers may be behind before new rows are dropped (and counted).
+ROWS_BEHIND_MAX = 100_000
+
+
 class TrackerSink:
     """Feeds one job's trackers from a thread of its own (the controller only enqueues)."""
 
@@ -167,6 +171,11 @@ class TrackerSink:
         self.on_error = on_error  # called with a message when a tracker fails
         self._queue: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._faults = 0
+        #: Rows enqueued and not written yet, and rows dropped because a tracker fell
+        #: ``ROWS_BEHIND_MAX`` behind (the controller's memory stays bounded).
+        self._behind = 0
+        self.dropped = 0
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"nbtrain-trackers-{run}",
                                         daemon=True)
         self._thread.start()
@@ -175,8 +184,18 @@ class TrackerSink:
     def rows(self, rows: Sequence[Sequence[Any]]) -> None:
         """Job rows (``JOB_ROW_COLUMNS``); rank 0's are written."""
         mine = [r for r in rows if int(r[RANK]) == 0]
-        if mine:
-            self._queue.put(("rows", mine))
+        if not mine:
+            return
+        with self._lock:
+            if self._behind + len(mine) > ROWS_BEHIND_MAX:
+                first = self.dropped == 0
+                self.dropped += len(mine)
+                if first:
+                    self._error(f"the trackers fell {self._behind} rows behind; rows are "
+                                "dropped until they catch up (a slow tracking server?)")
+                return
+            self._behind += len(mine)
+        self._queue.put(("rows", mine))
 
     def event(self, event: Mapping[str, Any]) -> None:
         kind = event.get("kind")
@@ -205,6 +224,9 @@ class TrackerSink:
                             f"{type(exc).__name__}: {exc}")
         while True:
             item = self._queue.get()
+            if item[0] == "rows":
+                with self._lock:
+                    self._behind -= len(item[1])
             if item[0] == "end":
                 for w in writers:
                     self._safely(w, "close", item[1])
