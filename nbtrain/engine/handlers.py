@@ -189,9 +189,10 @@ def apply_request(ctl: ClusterController, job_id: str, what: str, arg: Any = Non
 async def follow(ctl: ClusterController, *, cursors: Mapping[str, list[int]],
                  timeout: float = 2.0, max_rows: int = 20_000) -> dict[str, Any]:
     """New rows, events and output lines of the followed jobs (cursors: positions of the
-    next row, event and line), and their status. Returns as soon as any has news (after a
-    short pause that batches what arrives together), or after ``timeout`` seconds with the
-    statuses alone."""
+    next row, event and line; a negative row cursor -n: the newest n rows), and their
+    status. Returns as soon as any has news (after a short pause that batches what arrives
+    together), or after ``timeout`` seconds with the statuses alone."""
+    cursors = {jid: _from_newest(ctl, jid, list(c)) for jid, c in cursors.items()}
     loop = asyncio.get_running_loop()
     deadline = loop.time() + max(0.0, float(timeout))
     while True:
@@ -222,6 +223,12 @@ async def follow(ctl: ClusterController, *, cursors: Mapping[str, list[int]],
         update["status"] = status
         out[jid] = update
     return {"jobs": out}
+
+
+def _from_newest(ctl: ClusterController, job_id: str, cursor: list[int]) -> list[int]:
+    if cursor and int(cursor[0]) < 0 and job_id in ctl.assets:
+        cursor[0] = max(0, ctl.assets[job_id].log.rows.end + int(cursor[0]))
+    return cursor
 
 
 async def _older_from_store(ctl: ClusterController, job_id: str, log: JobLog,

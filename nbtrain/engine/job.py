@@ -511,8 +511,9 @@ class JobHandle:
         if self._following or self._cluster is None or self._done.is_set():
             return
         self._following = True
-        reply = self._cluster._remote.call("nbtrain_follow", cursors={self.id: [0, 0, 0]},
-                                           timeout=0)
+        # Rows: only the newest window (a negative cursor); older ones are read on demand.
+        reply = self._cluster._remote.call(
+            "nbtrain_follow", cursors={self.id: [-self._rows.keep, 0, 0]}, timeout=0)
         update = reply["jobs"].get(self.id)
         if update is not None:
             self._apply(update)
