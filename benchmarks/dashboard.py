@@ -83,7 +83,7 @@ def run_pull(world_size: int, ticks: int, steps_per_tick: int) -> dict[str, floa
     step = 1
     for _ in range(ticks):
         for rank in range(world_size):
-            job._apply({"rows": [(0, rank, *row) for row in
+            job.follow_update({"rows": [(0, rank, *row) for row in
                                  rows_for(step, steps_per_tick, rank, 1.7e9)]})
         step += steps_per_tick
         started = time.perf_counter()

@@ -61,7 +61,7 @@ def test_a_handle_keeps_its_window_and_counts_every_row() -> None:
     pos = 0
     for step in range(1, 1_200 + 1):  # 76,800 rows > the handle's 50,000
         rows = [[0, r, *_rows(step)[0]] for r in range(RANKS)]
-        handle._apply({"rows_at": pos, "rows": rows, "rows_end": pos + len(rows),
+        handle.follow_update({"rows_at": pos, "rows": rows, "rows_end": pos + len(rows),
                        "events_end": 0, "status": {"state": "RUNNING"}})
         pos += len(rows)
         assert len(handle._rows.items) <= keep + keep // 8
@@ -74,13 +74,13 @@ def test_a_handle_keeps_its_window_and_counts_every_row() -> None:
 def test_a_handle_drops_what_a_restarted_controller_lost() -> None:
     handle = JobHandle(JobSpec(job_id="h2", name="h", world_size=2, steps=None))
     rows = [[0, r, *_rows(s)[0]] for s in range(1, 11) for r in range(2)]
-    handle._apply({"rows_at": 0, "rows": rows, "rows_end": 20, "events_end": 0,
+    handle.follow_update({"rows_at": 0, "rows": rows, "rows_end": 20, "events_end": 0,
                    "status": {"state": "RUNNING"}})
     # The restarted controller journaled 16 rows; what it writes next lands at 16.
-    handle._apply({"rows_at": 16, "rows": [], "rows_end": 16, "events_end": 0,
+    handle.follow_update({"rows_at": 16, "rows": [], "rows_end": 16, "events_end": 0,
                    "status": {"state": "RUNNING"}})
     assert handle._rows.end == 16
-    handle._apply({"rows_at": 16, "rows": rows[16:18], "rows_end": 18, "events_end": 0,
+    handle.follow_update({"rows_at": 16, "rows": rows[16:18], "rows_end": 18, "events_end": 0,
                    "status": {"state": "RUNNING"}})
     assert handle._rows.end == 18 and handle._rows.items[-1] == tuple(rows[17])
 

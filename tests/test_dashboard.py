@@ -90,7 +90,7 @@ def feed(job: JobHandle, world_size: int, first: int, n: int, t0: float = 1.7e9)
     for rank in range(world_size):
         rows = [(0, rank, s, t0 + s * 0.01, 0.01 + rank * 1e-4, 1e-3, 6e-3, 2e-3, 1e-3,
                  {"loss": 1.0 / (s + 1)}) for s in range(first, first + n)]
-        job._apply({"rows": rows})
+        job.follow_update({"rows": rows})
 
 
 # -- a real job, watched by the widget and the text view at once ----------------------------
@@ -296,7 +296,7 @@ def test_the_ranks_output_is_shown_per_rank(comms: list[RecordingComm]) -> None:
     dash = JobDashboard(job, start=False)
     lines = [{"rank": r, "gen": 0, "stream": "stdout", "text": f"line {i} of rank {r}",
               "time": 1.7e9} for r in (0, 1) for i in range(20)]
-    job._apply({"output": lines})
+    job.follow_update({"output": lines})
     dash.refresh()
     shown = dash.logs_panel.value
     assert "[rank 0 g0] line 19 of rank 0" in shown and "[rank 1 g0] line 19 of rank 1" in shown
@@ -308,7 +308,7 @@ def test_the_ranks_output_is_shown_per_rank(comms: list[RecordingComm]) -> None:
 def test_straggler_lines_are_drawn_thicker(comms: list[RecordingComm]) -> None:
     job = offline_handle(2)
     dash = JobDashboard(job, start=False)
-    job._apply({"events": [{"kind": "straggler", "rank": 1, "phase": "compute",
+    job.follow_update({"events": [{"kind": "straggler", "rank": 1, "phase": "compute",
                             "state": "confirmed", "ratio": 2.5, "since_step": 7,
                             "hint": "thermal"}]})
     dash.refresh()
@@ -336,17 +336,17 @@ def test_resize_slider_is_bounded_and_disabled_with_the_reason(
     assert not slider.disabled and not dash.buttons["resize"].disabled
     assert "2 ranks now" in dash.resize_status.value
     # A resize made elsewhere (the API) moves the slider; the reason it waits is shown.
-    job._apply({"status": {"state": "RUNNING", "reason": "training", "size": 2,
+    job.follow_update({"status": {"state": "RUNNING", "reason": "training", "size": 2,
                            "target_size": 3, "resize_note": "growing to 3 ranks (2 now) when "
                            "1 more slot is free"}})
     dash.refresh()
     assert slider.value == 3 and "when 1 more slot is free" in dash.resize_status.value
-    job._apply({"status": {"state": "STOPPING", "reason": "resizing", "size": 2,
+    job.follow_update({"status": {"state": "STOPPING", "reason": "resizing", "size": 2,
                            "target_size": 3, "resize_note": ""}})
     dash.refresh()
     assert slider.disabled and "stopping" in dash.resize_status.value
     # The button calls resize(n) on the handle (offline here: the error is shown).
-    job._apply({"status": {"state": "RUNNING", "reason": "training", "size": 3,
+    job.follow_update({"status": {"state": "RUNNING", "reason": "training", "size": 3,
                            "target_size": 3, "resize_note": ""}})
     dash.refresh()
     slider.value = 1
@@ -359,11 +359,11 @@ def test_lines_break_and_marks_appear_at_generation_changes(
     job = offline_handle(2)
     dash = JobDashboard(job, start=False)
     feed(job, 2, 1, 10)  # generation 0, steps 1..10
-    job._apply({"events": [{"kind": "resize", "phase": "started", "old": 2, "new": 1,
+    job.follow_update({"events": [{"kind": "resize", "phase": "started", "old": 2, "new": 1,
                             "generation": 1, "reason": "asked", "time": 1.7e9}]})
     rows = [(1, 0, s, 1.7e9 + s, 0.01, 1e-3, 6e-3, 2e-3, 1e-3, {"loss": 0.5})
             for s in range(9, 15)]  # generation 1 resumes from step 8, one rank
-    job._apply({"rows": rows})
+    job.follow_update({"rows": rows})
     dash.refresh()
     steps = list(dash.step_plot.sources[0].data["step"])
     values = list(dash.step_plot.sources[0].data["step_ms"])
@@ -422,7 +422,7 @@ def test_dashboard_poller_stops_itself_after_drawing_the_end(
         dash = JobDashboard(job, rate_hz=20.0)
         assert dash.poller.running
         feed(job, 2, 1, 30)
-        job._apply({"status": {"state": "SUCCEEDED", "reason": "completed 30 steps"}})
+        job.follow_update({"status": {"state": "SUCCEEDED", "reason": "completed 30 steps"}})
         while dash.poller.running:
             await asyncio.sleep(0.01)
         return dash
@@ -546,7 +546,7 @@ def test_views_show_confirmed_stragglers_and_suspects_on_demand(
     assert (2, "comm", "suspect") in states and (1, "compute", "confirmed") in states
     assert (2, "comm", "confirmed") not in states
     job = offline_handle(3)
-    job._apply({"events": events, "status": {"state": "SUCCEEDED", "reason": "done"}})
+    job.follow_update({"events": events, "status": {"state": "SUCCEEDED", "reason": "done"}})
     assert [e["level"] for e in job.alerts] == [
         {"suspect": "warning", "confirmed": "critical", "cleared": "info"}[e["state"]]
         for e in events]

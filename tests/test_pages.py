@@ -151,7 +151,7 @@ def test_class_view_shows_every_clients_jobs_and_the_page_outlives_its_kernel(
                          "the page updating after its kernel died")
             mine.stop()
             alice = bob.job("alice")
-            bob._remote.call("nbtrain_request", job_id=alice.id, what="stop",
+            bob.rpc("nbtrain_request", job_id=alice.id, what="stop",
                              token=cc.operator_token)
             assert alice.wait(120) is JobState.CANCELLED
 

@@ -81,6 +81,20 @@ class Cluster:
         self._finalizer = weakref.finalize(self, _close_quietly, self._follower, client, local,
                                            owns_client)
 
+    def rpc(self, op: str, **kwargs: Any) -> Mapping[str, Any]:
+        """Call a handler of the cluster's controller (``nbtrain_*``); raises the error its
+        reply names. Job handles call through here."""
+        return self._remote.call(op, **kwargs)
+
+    def credential(self, token: str) -> str:
+        """What a request on a job carries: the job's ``token``, else this client's operator
+        token (empty when it has none)."""
+        return token or self._remote.operator_token
+
+    def follow(self, handle: JobHandle) -> None:
+        """Keep ``handle`` current (the cluster's follower thread)."""
+        self._follower.follow(handle)
+
     @property
     def client(self) -> Client:
         """The Dask client this cluster talks through (a new one after the old gave up
@@ -92,7 +106,7 @@ class Cluster:
         """The controller's view of the cluster: ``slots`` (slot, host, nvlink, address,
         state, job), ``jobs`` (statuses), ``queue`` (job ids in order), ``team_usage``
         (slot-seconds per team), ``log`` (recent cluster events: workers, restarts)."""
-        return dict(self._remote.call("nbtrain_cluster"))
+        return dict(self.rpc("nbtrain_cluster"))
 
     def _wait_for_slots(self, expected: int, timeout: float = 120.0) -> None:
         """Until the controller has taken in the workers Dask knows of (it reads each
@@ -144,7 +158,7 @@ class Cluster:
         handle = self._handle_for(info["status"], spec=info["spec"],
                                   checkpoint_url=info["checkpoint_url"])
         if token is not None:
-            handle._token = token
+            handle.steer_with(token)
         return handle
 
     def _handle_for(self, status: dict[str, Any], *, spec: dict[str, Any] | None = None,
@@ -314,9 +328,9 @@ class Cluster:
             trackers=tracked or None)
         token = str(reply["token"])
         self._tokens.put(self.address, job_id, token)
-        handle = JobHandle(spec, self, token=token, checkpoint_url=url, status=reply["status"])
+        handle = JobHandle(spec, self, token=token, checkpoint_url=url, status=reply["status"],
+                           follow=True)
         self._handles[job_id] = handle
-        handle._follow()
         return handle
 
     # -- lifecycle ------------------------------------------------------------------------

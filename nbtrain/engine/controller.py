@@ -174,7 +174,7 @@ class ClusterController(SchedulerPlugin):
     async def close(self) -> None:
         self._closed = True
         for job_id in list(self.assets):
-            status = self._status(job_id)
+            status = self.job_status(job_id)
             if status is not None and status["state"] not in ("SUCCEEDED", "FAILED",
                                                               "CANCELLED"):
                 self.cluster_log.extend([{"kind": "shutdown", "job": job_id,
@@ -230,7 +230,7 @@ class ClusterController(SchedulerPlugin):
             self.ended.append(sj.job_id)
             return False
         if sj.trackers:
-            self._attach_trackers(assets, sj.trackers)
+            self.attach_trackers(assets, sj.trackers)
         carried = _carried_from(sj.carried)
         now, wall = self.now()
         self.feed(Submitted(now, wall, dataclasses.replace(sub, carried=carried)))
@@ -250,7 +250,7 @@ class ClusterController(SchedulerPlugin):
                       sink=lambda table, start, items: store.add_history(table, job_id, start,
                                                                          items))
 
-    def _attach_trackers(self, assets: JobAssets,
+    def attach_trackers(self, assets: JobAssets,
                          trackers: Sequence[Mapping[str, Any]]) -> None:
         from nbtrain.engine.trackers import TrackerSink, TrackerSpec
 
@@ -263,7 +263,7 @@ class ClusterController(SchedulerPlugin):
 
     def journal_status(self, job_id: str) -> None:
         """Journal a job's status and what a restarted controller needs to continue it."""
-        status = self._status(job_id)
+        status = self.job_status(job_id)
         if status is None or job_id not in self.assets or self.assets[job_id].final:
             return
         carried = self.machine.carry(job_id) if status["state"] not in TERMINAL else None
@@ -359,6 +359,27 @@ class ClusterController(SchedulerPlugin):
             pass  # the submit handler reads it from the commands it got
         else:  # pragma: no cover - a new command type without a branch here
             raise TypeError(f"unknown command {c!r}")
+
+    # The events long-polls wait on: each is set, and replaced, when there is news.
+    @property
+    def news(self) -> asyncio.Event:
+        """Set when a job's rows, events or state change (followers wait on it)."""
+        return self._news
+
+    @property
+    def control_news(self) -> asyncio.Event:
+        """Set when a generation's control flags change (rank 0's long-poll)."""
+        return self._control_news
+
+    @property
+    def rendezvous_news(self) -> asyncio.Event:
+        """Set when a rank 0 publishes its rendezvous or a generation ends."""
+        return self._rdzv_news
+
+    @property
+    def pending_workers(self) -> int:
+        """Workers that joined Dask and whose labels are still being read."""
+        return len(self._pending_workers)
 
     def wake(self) -> None:
         """Tell long-polling followers that something changed."""
@@ -635,7 +656,8 @@ class ClusterController(SchedulerPlugin):
         """Jobs in memory (live, and the newest ended), in submit order."""
         return list(self.assets)
 
-    def _status(self, job_id: str) -> dict[str, Any] | None:
+    def job_status(self, job_id: str) -> dict[str, Any] | None:
+        """A job's status as clients see it (None: not in memory)."""
         try:
             return self.machine.status(job_id).to_dict()
         except KeyError:

@@ -107,7 +107,7 @@ async def submit(ctl: ClusterController, *, job: Mapping[str, Any], recipe: byte
         checkpoint_url=checkpoint_url, restore=restore_at, token_hash=token_hash(job_token),
         log=ctl.job_log(spec.job_id))
     if trackers:
-        ctl._attach_trackers(assets, list(trackers))
+        ctl.attach_trackers(assets, list(trackers))
     # Journaled before the machine sees it (so its first events have a job to belong to),
     # dropped again if the machine rejects it.
     ctl.store.add_job(job_id=spec.job_id, name=spec.name, submission=job, recipe=assets.recipe,
@@ -202,7 +202,7 @@ async def follow(ctl: ClusterController, *, cursors: Mapping[str, list[int]],
         remaining = deadline - loop.time()
         if news or gone or remaining <= 0:
             break
-        waiter = ctl._news
+        waiter = ctl.news
         try:
             await asyncio.wait_for(waiter.wait(), remaining)
         except TimeoutError:
@@ -211,7 +211,7 @@ async def follow(ctl: ClusterController, *, cursors: Mapping[str, list[int]],
     out: dict[str, Any] = {}
     for jid, cursor in cursors.items():
         assets = ctl.assets.get(jid)
-        status = ctl._status(jid) if assets is not None else None
+        status = ctl.job_status(jid) if assets is not None else None
         if assets is None or status is None:
             out[jid] = {"gone": True}
             continue
@@ -249,7 +249,7 @@ async def _older_from_store(ctl: ClusterController, job_id: str, log: JobLog,
 
 
 async def jobs(ctl: ClusterController) -> dict[str, Any]:
-    listing = [ctl._status(jid) for jid in ctl.job_ids()]
+    listing = [ctl.job_status(jid) for jid in ctl.job_ids()]
     return {"jobs": [s for s in listing if s is not None]}
 
 
@@ -274,7 +274,7 @@ async def job(ctl: ClusterController, *, key: str) -> dict[str, Any]:
     from nbtrain.engine.wire import plain
 
     return {"job_id": key, "spec": plain(assets.spec), "checkpoint_url": assets.checkpoint_url,
-            "status": ctl._status(key)}
+            "status": ctl.job_status(key)}
 
 
 async def result(ctl: ClusterController, *, job_id: str) -> dict[str, Any]:
@@ -296,9 +296,9 @@ def cluster_snapshot(ctl: ClusterController, log_from: int = 0) -> dict[str, Any
     and the class view show)."""
     queue = [] if ctl.machine.sched is None else ctl.machine.sched.queued()
     at, log = ctl.cluster_log.since(log_from, 1_000)
-    listing = [ctl._status(jid) for jid in ctl.job_ids()]
+    listing = [ctl.job_status(jid) for jid in ctl.job_ids()]
     return {"slots": [_with_labels(ctl, s) for s in ctl.machine.slots()], "queue": queue,
-            "pending_workers": len(ctl._pending_workers),
+            "pending_workers": ctl.pending_workers,
             "jobs": [s for s in listing if s is not None],
             "team_usage": ctl.machine.team_usage(),
             "log_at": at, "log": log, "decision_ms": _decision_ms(ctl)}
@@ -373,7 +373,7 @@ async def rendezvous(ctl: ClusterController, *, job_id: str, generation: int, ra
             raise LookupError(f"rank 0 of job {job_id} generation {generation} did not publish "
                               f"its rendezvous within {timeout:.0f} s")
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ctl._rdzv_news.wait(), remaining)
+            await asyncio.wait_for(ctl.rendezvous_news.wait(), remaining)
     return dict(assets.rendezvous[generation])
 
 
@@ -394,12 +394,12 @@ async def control(ctl: ClusterController, *, job_id: str, generation: int, versi
         if remaining <= 0:
             return {"ended": False, "version": version, "flags": state["flags"]}
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ctl._control_news.wait(), remaining)
+            await asyncio.wait_for(ctl.control_news.wait(), remaining)
 
 
 # ====================================================================== helpers
 def _known(ctl: ClusterController, job_id: str) -> dict[str, Any]:
-    status = ctl._status(job_id) if job_id in ctl.assets else None
+    status = ctl.job_status(job_id) if job_id in ctl.assets else None
     if status is None:
         raise LookupError(f"no job {job_id!r} on this cluster's controller now (ended jobs "
                           f"leave its memory after {ctl.settings.jobs_kept} more have ended: "

@@ -62,7 +62,8 @@ class JobHandle:
     """Live view and controls of one job (a mirror of the controller's record)."""
 
     def __init__(self, spec: JobSpec, cluster: Cluster | None = None, *, token: str = "",
-                 checkpoint_url: str = "", status: Mapping[str, Any] | None = None) -> None:
+                 checkpoint_url: str = "", status: Mapping[str, Any] | None = None,
+                 follow: bool = False) -> None:
         self.spec = spec
         self._cluster = cluster
         self._token = token
@@ -83,6 +84,8 @@ class JobHandle:
         self._problem: str | None = None
         self._unreachable_since: float | None = None
         self.submitted_at = float(self._status.get("submitted") or time.time())
+        if follow:
+            self._follow()
 
     # -- identity -----------------------------------------------------------------------
     @property
@@ -98,6 +101,12 @@ class JobHandle:
         """The secret that lets a client steer this job (empty on a handle that only
         watches). ``cluster.job(name, token=...)`` in another kernel steers with it."""
         return self._token
+
+    def steer_with(self, token: str) -> None:
+        """Steer this job with ``token`` from now on (the owner's ``job.token``, handed
+        over from another kernel); a wrong one is refused by the controller."""
+        with self._lock:
+            self._token = token
 
     @property
     def owner(self) -> str:
@@ -235,7 +244,7 @@ class JobHandle:
         pos = start
         while pos < stop:
             try:
-                reply = self._cluster._remote.call(
+                reply = self._cluster.rpc(
                     "nbtrain_follow", cursors={self.id: [pos, 1 << 62, 1 << 62]}, timeout=0)
             except Exception as exc:
                 _log.warning("nbtrain: job %s: rows %d-%d could not be read from the "
@@ -333,10 +342,9 @@ class JobHandle:
     def _request(self, what: str, arg: Any = None) -> None:
         if self._cluster is None:
             raise RuntimeError(f"job {self.name}: this handle is not attached to a cluster")
-        reply = self._cluster._remote.call("nbtrain_request", job_id=self.id, what=what,
-                                           arg=arg, token=self._token
-                                           or self._cluster._remote.operator_token)
-        self._apply({"status": reply["status"]})
+        reply = self._cluster.rpc("nbtrain_request", job_id=self.id, what=what, arg=arg,
+                                  token=self._cluster.credential(self._token))
+        self.follow_update({"status": reply["status"]})
 
     def stop(self) -> None:
         """Stop at the next step boundary (or leave the queue) and release the slots."""
@@ -457,7 +465,7 @@ class JobHandle:
             return self
         if self._cluster is None:
             raise RuntimeError(f"job {self.name}: this handle is not attached to a cluster")
-        reply = self._cluster._remote.call("nbtrain_result", job_id=self.id)
+        reply = self._cluster.rpc("nbtrain_result", job_id=self.id)
         if reply.get("error"):
             raise JobFailedError(f"job {self.name} succeeded but its result did not come back: "
                                  f"{reply['error']}")
@@ -489,8 +497,8 @@ class JobHandle:
 
         if self._cluster is None:
             raise RuntimeError(f"job {self.name}: this handle is not attached to a cluster")
-        reply = self._cluster._remote.call("nbtrain_view", job_id=self.id, token=self._token
-                                           or self._cluster._remote.operator_token)
+        reply = self._cluster.rpc("nbtrain_view", job_id=self.id,
+                                  token=self._cluster.credential(self._token))
         if reply["served"] == "none":
             raise RuntimeError("this cluster's scheduler has no web server (its dashboard is "
                                "off), so it serves no pages: use display='widget' or 'text'")
@@ -512,30 +520,36 @@ class JobHandle:
             return
         self._following = True
         # Rows: only the newest window (a negative cursor); older ones are read on demand.
-        reply = self._cluster._remote.call(
+        reply = self._cluster.rpc(
             "nbtrain_follow", cursors={self.id: [-self._rows.keep, 0, 0]}, timeout=0)
         update = reply["jobs"].get(self.id)
         if update is not None:
-            self._apply(update)
+            self.follow_update(update)
         if not self._done.is_set():
-            self._cluster._follower.follow(self)
+            self._cluster.follow(self)
 
-    def _cursor(self) -> tuple[int, int, int]:
+    # -- what the cluster's follower uses (``nbtrain.engine.remote.Mirror``) ---------------
+    def follow_position(self) -> tuple[int, int, int]:
+        """(for the cluster's follower) The positions of the next row, event and output
+        line this handle needs from the controller."""
         with self._lock:
             return self._rows.end, self._events.end, self._output.end
 
-    def _drained(self) -> bool:
+    def follow_finished(self) -> bool:
+        """(for the cluster's follower) True once the job ended and everything is here."""
         return self._done.is_set()
 
-    def _connection_problem(self, exc: BaseException, since: float | None = None) -> None:
-        """The follower could not reach the controller (``since``: when it first failed)."""
+    def follow_lost(self, exc: BaseException, since: float | None = None) -> None:
+        """(for the cluster's follower) The controller could not be reached (``since``: when
+        it first failed); the handle says so until the next update."""
         with self._lock:
             self._problem = f"{type(exc).__name__}: {exc}"
             if self._unreachable_since is None:
                 self._unreachable_since = since or time.time()
 
-    def _apply(self, update: Mapping[str, Any]) -> None:
-        """Take what the controller sent: rows and events after our positions, the status."""
+    def follow_update(self, update: Mapping[str, Any]) -> None:
+        """(for the cluster's follower) Take what the controller sent: rows, events and
+        output after our positions, and the status."""
         if update.get("gone"):
             with self._lock:
                 if not JobState(self._status.get("state", "QUEUED")).terminal:

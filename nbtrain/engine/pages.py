@@ -122,7 +122,7 @@ def _job_list_html(ctl: ClusterController, asked: str) -> str:
                "after a while).</p>" if asked else "")
     items = "".join(
         f"<li><a href='?{urlencode({'job': jid})}'>{html.escape(a.spec.name)}</a> "
-        f"({html.escape(str((ctl._status(jid) or {}).get('state', '?')))})</li>"
+        f"({html.escape(str((ctl.job_status(jid) or {}).get('state', '?')))})</li>"
         for jid, a in ctl.assets.items())
     return f"<h3>nbtrain jobs</h3>{missing}<ul>{items or '<li>none yet</li>'}</ul>"
 
@@ -154,7 +154,7 @@ class ControllerFeed:
         return [dict(e) for e in events], at + len(events)
 
     def status(self) -> Mapping[str, Any]:
-        status = self.ctl._status(self.job_id)
+        status = self.ctl.job_status(self.job_id)
         if status is None:
             return {"name": self.job_id, "state": "CANCELLED",
                     "reason": "the controller no longer knows this job"}

@@ -13,18 +13,26 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from distributed import Client
 
 from nbtrain.engine.wire import ControllerError, raise_for
 
-if TYPE_CHECKING:
-    from nbtrain.engine.job import JobHandle
-
 logger = logging.getLogger(__name__)
 
-__all__ = ["Follower", "Remote"]
+__all__ = ["Follower", "Mirror", "Remote"]
+
+
+class Mirror(Protocol):
+    """What the follower keeps current (a ``JobHandle``)."""
+
+    @property
+    def id(self) -> str: ...
+    def follow_position(self) -> tuple[int, int, int]: ...
+    def follow_update(self, update: Mapping[str, Any]) -> None: ...
+    def follow_lost(self, exc: BaseException, since: float | None = None) -> None: ...
+    def follow_finished(self) -> bool: ...
 
 #: How long one follow call may wait for news before it returns statuses alone.
 FOLLOW_TIMEOUT_S = 2.0
@@ -81,7 +89,7 @@ class Follower:
 
     def __init__(self, remote: Remote) -> None:
         self.remote = remote
-        self._handles: dict[str, JobHandle] = {}
+        self._handles: dict[str, Mirror] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = threading.Event()
@@ -89,7 +97,7 @@ class Follower:
         self.errors = 0
         self.lost_at: float | None = None
 
-    def follow(self, handle: JobHandle) -> None:
+    def follow(self, handle: Mirror) -> None:
         with self._lock:
             self._handles[handle.id] = handle
             if self._thread is None:
@@ -105,13 +113,13 @@ class Follower:
     def _run(self) -> None:
         while not self._closed.is_set():
             with self._lock:
-                handles = {jid: h for jid, h in self._handles.items() if not h._drained()}
+                handles = {jid: h for jid, h in self._handles.items() if not h.follow_finished()}
                 self._handles = dict(handles)
             if not handles:
                 self._wake.wait(1.0)
                 self._wake.clear()
                 continue
-            cursors = {jid: list(h._cursor()) for jid, h in handles.items()}
+            cursors = {jid: list(h.follow_position()) for jid, h in handles.items()}
             try:
                 reply = self.remote.call("nbtrain_follow", cursors=cursors,
                                          timeout=FOLLOW_TIMEOUT_S,
@@ -123,7 +131,7 @@ class Follower:
                     self.lost_at = time.time()
                 self.errors += 1
                 for h in handles.values():
-                    h._connection_problem(exc, self.lost_at)
+                    h.follow_lost(exc, self.lost_at)
                 # Reconnect with backoff: soon after a blip, every couple of seconds after.
                 self._closed.wait(min(RETRY_MAX_S, 0.1 * 2 ** min(self.errors, 5)))
                 continue
@@ -132,6 +140,6 @@ class Follower:
                 handle = handles.get(jid)
                 if handle is not None:
                     try:
-                        handle._apply(update)
+                        handle.follow_update(update)
                     except Exception:  # a malformed update must not stop following
                         logger.exception("nbtrain: applying an update to job %s failed", jid)
