@@ -14,6 +14,8 @@ from typing import Any
 
 import dask.config
 
+from nbtrain.core.checkpoint_policy import DEFAULT_COMMIT_TIMEOUT_S
+
 
 @dataclass(frozen=True, kw_only=True)
 class Settings:
@@ -64,7 +66,7 @@ class Settings:
     checkpoint_keep: int = 3
     #: How long rank 0 waits for every rank's shard before a checkpoint is marked failed.
     #: Longer than the slowest rank's write of one shard.
-    checkpoint_commit_timeout_s: float = 300.0
+    checkpoint_commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S
     #: Mean time between failures of a job, for ``checkpoint="auto"`` (Young/Daly).
     mtbf_s: float = 6 * 3600.0
     #: Hang watchdog: a running job with no step progress for

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 __all__ = [
+    "DEFAULT_COMMIT_TIMEOUT_S",
     "CheckpointPolicy",
     "CheckpointPolicyConfig",
     "parse_checkpoint_setting",
@@ -25,6 +26,10 @@ __all__ = [
 ]
 
 DEFAULT_MTBF_S = 6 * 3600.0
+#: How long rank 0 waits for every rank's shard before a checkpoint is marked failed: the
+#: one default of ``Settings.checkpoint_commit_timeout_s``, the launch's plan and storage.
+#: Longer than the slowest rank's write of one shard.
+DEFAULT_COMMIT_TIMEOUT_S = 300.0
 
 
 def young_daly_interval(cost_s: float, mtbf_s: float) -> float:

@@ -41,9 +41,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbtrain.core.checkpoint_policy import DEFAULT_COMMIT_TIMEOUT_S
 from nbtrain.runtime.dcp_write import DcpShard, plan_shard
 from nbtrain.runtime.snapshot import HostSnapshotter
-from nbtrain.runtime.storage import DEFAULT_COMMIT_TIMEOUT_S, CheckpointError, CheckpointStore
+from nbtrain.runtime.storage import CheckpointError, CheckpointStore
 
 __all__ = ["AsyncCheckpointer", "EventCallback", "SaveResult"]
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbtrain.config import Settings
-from nbtrain.core.checkpoint_policy import CheckpointPolicyConfig
+from nbtrain.core.checkpoint_policy import DEFAULT_COMMIT_TIMEOUT_S, CheckpointPolicyConfig
 from nbtrain.core.faults import Fault
 from nbtrain.core.mesh import MeshPlan
 
@@ -32,7 +32,7 @@ class CheckpointPlan:
     policy: CheckpointPolicyConfig
     keep: int = 3
     restore_from: tuple[tuple[str, int | None], ...] = ()
-    commit_timeout_s: float = 300.0
+    commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S
 
 
 @dataclass(frozen=True)

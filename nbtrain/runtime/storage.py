@@ -47,6 +47,7 @@ import fsspec
 import torch
 from fsspec.core import url_to_fs
 
+from nbtrain.core.checkpoint_policy import DEFAULT_COMMIT_TIMEOUT_S
 from nbtrain.runtime.dcp_read import IndexReader, sha256_of
 from nbtrain.runtime.dcp_write import (
     INDEX_FILE,
@@ -75,7 +76,6 @@ FORMAT_VERSION = 2
 FULL_COPY_VERSION = 1
 READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
-DEFAULT_COMMIT_TIMEOUT_S = 600.0  # longer than the slowest rank's persist of one shard
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _TMP = ".tmp-"
 _CHUNK = 8 << 20
