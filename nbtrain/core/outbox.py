@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from nbtrain.core.job import JobState
+from nbtrain.core.job import TRANSITIONS, JobState, TransitionError
 from nbtrain.core.jobevents import state_event
 from nbtrain.core.jobrecord import LiveJob
 from nbtrain.core.lifecycle_types import Command, Publish, SetControl
@@ -50,9 +50,15 @@ class Outbox:
         self.commands.append(Publish(None, event))
 
     def set_state(self, job: LiveJob, state: JobState, reason: str) -> None:
-        """The job's state and why (published when either changes)."""
+        """The job's state and why (published when either changes); ``TransitionError`` for
+        a move ``nbtrain.core.job.TRANSITIONS`` does not allow."""
         if job.state is state and job.reason == reason:
             return
+        if not job.state.can_become(state):
+            allowed = sorted(s.value for s in TRANSITIONS[job.state]) or ["none: it ended"]
+            raise TransitionError(
+                f"job {job.name} cannot go from {job.state.value} to {state.value} ({reason!r}); "
+                f"from {job.state.value} it may go to {', '.join(allowed)}")
         job.state = state
         job.reason = reason
         self.publish(job, state_event(self.wall, state.value, reason))
