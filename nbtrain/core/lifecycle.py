@@ -54,6 +54,7 @@ from nbtrain.core.explain import (
     unit,
 )
 from nbtrain.core.health import HostHealth
+from nbtrain.core.invariants import machine_problems
 from nbtrain.core.inventory import WorkerInfo
 from nbtrain.core.job import JobState
 from nbtrain.core.jobevents import resize_event, slow_event, state_event
@@ -197,6 +198,17 @@ class JobMachine:
     def team_usage(self) -> dict[str, float]:
         """Slot-seconds held per team so far (the scheduler's fair-share ledger)."""
         return {} if self.sched is None else self.sched.team_usage()
+
+    def validate(self) -> None:
+        """``AssertionError`` naming every broken invariant of the machine (see
+        :mod:`nbtrain.core.invariants`) and of its gang scheduler; run by the tests after
+        every event."""
+        owners = self.sched.owner_map() if self.sched is not None else None
+        problems = machine_problems(self._jobs, self._live, self._pending, owners)
+        if problems:
+            raise AssertionError("; ".join(problems))
+        if self.sched is not None:
+            self.sched.check_invariants()
 
     # ================================================================== submission
     def _on_submitted(self, sub: JobSubmission) -> None:

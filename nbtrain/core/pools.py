@@ -182,6 +182,11 @@ class DevicePools:
         return {s: o for p in self.pools.values()
                 for s, o in zip(p.topo.slot_ids, p.owners(), strict=True)}
 
+    def check_invariants(self) -> None:
+        """Every pool's (``JobBook.check_invariants``); ``AssertionError`` if one breaks."""
+        for pool in self.pools.values():
+            pool.check_invariants()
+
     def team_usage(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for pool in self.pools.values():
