@@ -43,8 +43,7 @@ class Generation:
     number: int
     slots: tuple[str, ...]  # slot ids, index = rank
     addresses: tuple[str, ...]  # their workers at launch
-    started: float  # monotonic
-    watch: GenerationWatch  # the hang and startup watchdog's view of it
+    watch: GenerationWatch  # the hang and startup watchdog's view of it (and when it started)
     control: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CONTROL_FLAGS, 0))
     outcomes: dict[int, dict[str, Any]] = field(default_factory=dict)
     failures: dict[int, RankFailureInfo] = field(default_factory=dict)

@@ -329,8 +329,8 @@ class JobMachine:
         slots = tuple(str(s) for s in placement.slots)
         addresses = tuple(self.inventory.address_of(s) or "" for s in slots)
         assert all(addresses), f"the scheduler placed job {job.id} on an offline slot"
-        gen = Generation(number=number, slots=slots, addresses=addresses, started=self.now,
-                         watch=GenerationWatch(job.watchdog, self.now))
+        gen = Generation(number=number, slots=slots, addresses=addresses,
+                         watch=GenerationWatch(job.watchdog, started=self.now))
         self._live[job.id] = job
         jobflow.launched(job, gen, placement, now=self.now, unit=self._unit(self._kind_of(job)),
                          out=self._out)
