@@ -57,6 +57,7 @@ class Harness:
     # -- feeding ------------------------------------------------------------------------
     def feed(self, event_type: Any, *args: Any, **kwargs: Any) -> list[Command]:
         out = self.m.handle(event_type(self.t, 1e9 + self.t, *args, **kwargs))
+        self.m.validate()  # the machine's invariants hold after every event
         self.out += out
         return out
 

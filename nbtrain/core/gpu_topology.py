@@ -116,11 +116,33 @@ def nvlink_domains(host: HostGpus) -> dict[str, str]:
     other; multi-node cliques are ``"clique:<cluster uuid>/<clique id>"``.
     """
     gpus = sorted(host.gpus, key=lambda g: g.index)
+    label = _fabric_label(gpus)
+    if label is not None:
+        return {g.uuid: label for g in gpus}
+    out: dict[str, str] = {}
+    k = 0
+    for group in _linked_groups(gpus):
+        if len(group) == 1:
+            out[gpus[group[0]].uuid] = f"{host.host}/gpu{gpus[group[0]].index}"
+        else:
+            for i in group:
+                out[gpus[i].uuid] = f"{host.host}/nvl{k}"
+            k += 1
+    return out
+
+
+def _fabric_label(gpus: Sequence[GpuInfo]) -> str | None:
+    """The multi-node clique every GPU is registered in, if they all are in the same one."""
     fabrics = {g.fabric.label for g in gpus if g.fabric is not None and g.fabric.registered}
     if gpus and len(fabrics) == 1 and all(g.fabric is not None and g.fabric.registered
                                           for g in gpus):
-        label = fabrics.pop()
-        return {g.uuid: label for g in gpus}
+        return fabrics.pop()
+    return None
+
+
+def _linked_groups(gpus: Sequence[GpuInfo]) -> list[list[int]]:
+    """Positions of GPUs NVLink joins (directly, or all through NVSwitches), each group in
+    order, the groups by their lowest position."""
     parent = list(range(len(gpus)))
 
     def find(i: int) -> int:
@@ -146,17 +168,7 @@ def nvlink_domains(host: HostGpus) -> dict[str, str]:
     members: dict[int, list[int]] = {}
     for i in range(len(gpus)):
         members.setdefault(find(i), []).append(i)
-    out: dict[str, str] = {}
-    k = 0
-    for root in sorted(members):
-        group = members[root]
-        if len(group) == 1:
-            out[gpus[group[0]].uuid] = f"{host.host}/gpu{gpus[group[0]].index}"
-        else:
-            for i in group:
-                out[gpus[i].uuid] = f"{host.host}/nvl{k}"
-            k += 1
-    return out
+    return [members[root] for root in sorted(members)]
 
 
 def visible_gpu(cuda_visible_devices: str | None, gpus: Sequence[GpuInfo]) -> GpuInfo | None:
@@ -304,24 +316,32 @@ def parse_nvidia_smi_query(text: str) -> list[dict[str, Any]]:
             continue
         if current is None or not line.strip():
             continue
-        indent = len(line) - len(line.lstrip())
-        key, sep, value = line.strip().partition(":")
-        key, value = key.strip(), value.strip()
-        if indent <= 4:
-            block = key if not sep or not value else None
-        if sep and value:
-            if indent <= 4 and key == "GPU UUID":
-                current["uuid"] = value
-            elif indent <= 4 and key == "Product Name":
-                current["name"] = value
-            elif block == "Fabric" and indent > 4:
-                fabric[key] = value
+        block = _query_line(line, current, block, fabric)
     if current is not None:
         current["fabric"] = _fabric_from_query(fabric)
     if not gpus:
         raise ValueError("no GPU in this text: expected the output of nvidia-smi -q "
                          "(blocks that start 'GPU 00000000:18:00.0')")
     return gpus
+
+
+def _query_line(line: str, gpu: dict[str, Any], block: str | None,
+                fabric: dict[str, str]) -> str | None:
+    """One line of a GPU's block of ``nvidia-smi -q``: its UUID, its name or a field of its
+    Fabric block; returns the block the next lines are in."""
+    indent = len(line) - len(line.lstrip())
+    key, sep, value = line.strip().partition(":")
+    key, value = key.strip(), value.strip()
+    if indent <= 4:
+        block = key if not sep or not value else None
+    if sep and value:
+        if indent <= 4 and key == "GPU UUID":
+            gpu["uuid"] = value
+        elif indent <= 4 and key == "Product Name":
+            gpu["name"] = value
+        elif block == "Fabric" and indent > 4:
+            fabric[key] = value
+    return block
 
 
 _FABRIC_STATES = {"not supported": 0, "not started": 1, "in progress": 2, "completed": 3}

@@ -17,7 +17,7 @@ _WRITER_WAIT = "nbtrain/runtime/async_ckpt.py"
 #: (collectives, the control agreement), or this rank's checkpoint writer thread finishing
 #: the previous checkpoint (at most one is in flight; on a loaded machine its nice-10 thread
 #: can be starved for seconds). A wait that never ends is still caught by the watchdog's
-#: give-up bound (10 x the limit without a step).
+#: give-up bound (``give_up_factor`` x the limit without a step, see core/watchdog.py).
 _WAITING_MARKERS = ("torch/distributed", "torch/autograd", "torch/nn/parallel",
                     "nbtrain/runtime/control.py", _WRITER_WAIT)
 

@@ -29,6 +29,39 @@ class JobState(str, enum.Enum):
     def holds_slots(self) -> bool:
         return self in (JobState.STARTING, JobState.RUNNING, JobState.STOPPING)
 
+    def can_become(self, other: JobState) -> bool:
+        """Whether the job machine may move a job from this state to ``other`` (see
+        ``TRANSITIONS``)."""
+        return other in TRANSITIONS[self]
+
+
+class TransitionError(RuntimeError):
+    """The job machine tried a move ``TRANSITIONS`` does not allow: a bug in the machine."""
+
+
+_S = JobState
+#: Every move of a job's state the job machine makes (``nbtrain.core.lifecycle``); a state
+#: may also stay, with a new reason, until it is terminal. QUEUED starts (a launch, or a
+#: launch deferred until a shrinking job hands over its slots), is held by its user or ends
+#: (stopped, or a controller error); a generation STARTING reaches RUNNING with its first step
+#: rows, or STOPPING (stop, preemption, resize, halt), or ends (failed: requeued, FAILED or
+#: CANCELLED; all ranks done); a STOPPING generation ends: relaunched at its new size
+#: (resize), PREEMPTED (by its user), requeued (by the scheduler, a straggler's replacement,
+#: a failure) or ended; PREEMPTED is resumed or stopped.
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    _S.QUEUED: frozenset({_S.QUEUED, _S.STARTING, _S.PREEMPTED, _S.CANCELLED, _S.FAILED}),
+    _S.STARTING: frozenset({_S.STARTING, _S.RUNNING, _S.STOPPING, _S.QUEUED, _S.SUCCEEDED,
+                            _S.FAILED, _S.CANCELLED}),
+    _S.RUNNING: frozenset({_S.RUNNING, _S.STOPPING, _S.QUEUED, _S.SUCCEEDED, _S.FAILED,
+                           _S.CANCELLED}),
+    _S.STOPPING: frozenset({_S.STOPPING, _S.STARTING, _S.QUEUED, _S.PREEMPTED, _S.SUCCEEDED,
+                            _S.FAILED, _S.CANCELLED}),
+    _S.PREEMPTED: frozenset({_S.PREEMPTED, _S.QUEUED, _S.CANCELLED, _S.FAILED}),
+    _S.SUCCEEDED: frozenset(),
+    _S.FAILED: frozenset(),
+    _S.CANCELLED: frozenset(),
+}
+
 
 @dataclass(frozen=True, kw_only=True)
 class JobSpec:

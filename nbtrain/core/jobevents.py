@@ -9,7 +9,8 @@ Producers: the rank runtime (``rank_started``, ``checkpoint``, ``fault_injected`
 ``rank_failed``, ``rank_finished``, the ``steps`` batches and the ``log`` batches of its
 output) and the job machine
 (:mod:`nbtrain.core.lifecycle`: ``state``, ``fault``, ``recovery``, ``preemption``,
-``straggler``, ``mitigation``). Consumers: the job handle, the views, the report.
+``straggler``, ``mitigation``, ``nonfinite``, ``resize``, ``slow``). Consumers: the job
+handle, the views, the report.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ __all__ = [
     "PreemptionEvent",
     "RecoveryEvent",
     "ResizeEvent",
+    "SlowEvent",
     "StateEvent",
     "fault_event",
     "nonfinite_event",
     "preemption_event",
     "recovery_event",
     "resize_event",
+    "slow_event",
     "state_event",
 ]
 
@@ -134,6 +137,25 @@ def resize_event(time: float, *, phase: str, old: int, new: int, reason: str, ge
                  duration_s: float | None = None) -> ResizeEvent:
     return {"kind": "resize", "time": time, "phase": phase, "old": old, "new": new,
             "reason": reason, "generation": generation, "duration_s": duration_s}
+
+
+class SlowEvent(TypedDict):
+    """A silent generation whose ranks' call stacks moved: slow, not hung (said once per look
+    of the hang watchdog)."""
+
+    kind: Literal["slow"]
+    time: float
+    generation: int
+    silent_s: float  # seconds without a step row, rounded to ms
+    limit_s: float  # the watchdog's limit
+    note: str
+
+
+def slow_event(time: float, *, generation: int, silent_s: float, limit_s: float) -> SlowEvent:
+    return {"kind": "slow", "time": time, "generation": generation,
+            "silent_s": round(silent_s, 3), "limit_s": limit_s,
+            "note": f"no step for {silent_s:.1f} s (limit {limit_s:.1f} s), but the ranks are "
+                    "moving: slow, not hung"}
 
 
 def state_event(time: float, state: str, reason: str) -> StateEvent:

@@ -6,8 +6,6 @@ reads :class:`JobStatus`, a frozen snapshot.
 
 from __future__ import annotations
 
-import statistics
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,11 +13,11 @@ from nbtrain.core.faults import Fault
 from nbtrain.core.goodput import GoodputLedger
 from nbtrain.core.job import JobState
 from nbtrain.core.lifecycle_types import CarriedHistory, JobSubmission, RankFailureInfo
-from nbtrain.core.placement import Placement
+from nbtrain.core.resizeplan import ResizePlan
 from nbtrain.core.stragglerwatch import StragglerWatch
+from nbtrain.core.watchdog import GenerationWatch
 
-__all__ = ["Generation", "JobStatus", "LiveJob", "PendingResize", "Preemption",
-           "primary_failure"]
+__all__ = ["Generation", "JobStatus", "LiveJob", "Preemption", "primary_failure"]
 
 #: The cause of the fault a restored job records for its controller's restart.
 CONTROLLER_RESTARTED = "controller restarted"
@@ -39,40 +37,23 @@ class Preemption:
 
 
 @dataclass
-class PendingResize:
-    """A resize the scheduler decided: the next generation runs on ``placement``."""
-
-    placement: Placement
-    old_size: int
-    reason: str
-    asked: float  # monotonic, for the resize's duration
-
-
-@dataclass
 class Generation:
     """One (re)start of a job's gang."""
 
     number: int
     slots: tuple[str, ...]  # slot ids, index = rank
     addresses: tuple[str, ...]  # their workers at launch
-    started: float  # monotonic
-    last_progress: float
+    watch: GenerationWatch  # the hang and startup watchdog's view of it (and when it started)
     control: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CONTROL_FLAGS, 0))
     outcomes: dict[int, dict[str, Any]] = field(default_factory=dict)
     failures: dict[int, RankFailureInfo] = field(default_factory=dict)
     failed_at: float | None = None  # monotonic time of the first failure
     failed_wall: float | None = None
-    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=64))
-    hang: dict[str, Any] | None = None  # set when the watchdog declared this generation hung
     injected: dict[str, Any] | None = None  # the last fault injected in this generation
     running: bool = False  # a step row arrived
     released: bool = False  # peers freed (failed ranks' workers restarted, or NCCL aborted)
     forced: bool = False  # preemption grace ran out: ranks stopped without their checkpoint
     nonfinite: set[str] = field(default_factory=set)  # metrics already reported non-finite
-    #: rank -> (the startup phase it is in: "setup", "restore", "first step"; since when)
-    phases: dict[int, tuple[str, float]] = field(default_factory=dict)
-    #: the watchdog's look at a silent generation: call stacks, to tell stuck from slow
-    probe: dict[str, Any] | None = None
 
     @property
     def size(self) -> int:
@@ -84,14 +65,11 @@ class Generation:
 
     @property
     def failing(self) -> bool:
-        return bool(self.failures) or self.hang is not None
+        return bool(self.failures) or self.watch.hang is not None
 
     def unfinished(self) -> tuple[int, ...]:
         return tuple(r for r in range(self.size)
                      if r not in self.outcomes and r not in self.failures)
-
-    def median_step(self) -> float:
-        return statistics.median(self.step_times) if self.step_times else 0.0
 
 
 @dataclass(frozen=True)
@@ -155,12 +133,9 @@ class LiveJob:
         self.preempt: Preemption | None = None
         self.checkpoint_seq = 0
         self.halt_reason = ""
-        self.resize: PendingResize | None = None  # decided, waiting for the generation to end
-        self.resizing: PendingResize | None = None  # launched, waiting for its first step
+        self.plan = ResizePlan(target=sub.spec.world_size)
+        self.watchdog = sub.policy.watchdog()
         self.longest_step = 0.0  # the longest step seen (first steps of a generation aside)
-        self.target = sub.spec.world_size  # the size asked for
-        self.last_size: int | None = None  # ranks of the newest generation
-        self.resize_note = ""
         #: Restored PREEMPTED by a restarted controller: kept out of the gang scheduler until
         #: ``resume()`` submits it there again.
         self.parked = False
@@ -181,8 +156,8 @@ class LiveJob:
             faults=tuple({k: v for k, v in f.items() if not k.startswith("_")}
                          for f in self.fault_log),
             planned=tuple(f.to_dict() for f in self.planned), fired=tuple(sorted(self.fired)),
-            held=self.state is JobState.PREEMPTED, target=self.target,
-            last_size=self.last_size, submitted=self.submitted, started=self.started)
+            held=self.state is JobState.PREEMPTED, target=self.plan.target,
+            last_size=self.plan.last_size, submitted=self.submitted, started=self.started)
 
     def restore(self, carried: CarriedHistory, now: float, wall: float) -> dict[str, Any]:
         """Continue from what an earlier controller knew; returns the fault to record for
@@ -196,8 +171,8 @@ class LiveJob:
         if carried.planned:
             self.planned = [Fault.from_dict(dict(f)) for f in carried.planned]
         self.fired = set(carried.fired)
-        self.target = carried.target or self.target
-        self.last_size = carried.last_size
+        self.plan.target = carried.target or self.plan.target
+        self.plan.last_size = carried.last_size
         self.submitted = carried.submitted or self.submitted
         self.started = carried.started
         lost = max(0, self.step - self.committed_step)
@@ -236,8 +211,8 @@ class LiveJob:
             faults=self.public_faults(), goodput=self.ledger.snapshot(now).as_dict(),
             submitted=self.submitted, started=self.started, ended=self.ended,
             size=self.gen.size if self.gen is not None and self.state.holds_slots else 0,
-            min_size=self.spec.bounds[0], max_size=self.spec.bounds[1], target_size=self.target,
-            resize_note=self.resize_note,
+            min_size=self.spec.bounds[0], max_size=self.spec.bounds[1],
+            target_size=self.plan.target, resize_note=self.plan.note,
         )
 
 

@@ -15,6 +15,7 @@ from nbtrain.core.faults import Fault
 from nbtrain.core.job import JobSpec
 from nbtrain.core.mesh import MeshPlan
 from nbtrain.core.mitigation import MitigationSettings
+from nbtrain.core.watchdog import WatchdogSettings
 
 __all__ = [
     "AbortCollectives",
@@ -47,18 +48,32 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------------- what a job is
+_WATCH = WatchdogSettings()
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobPolicy:
     """How the controller watches one job (seconds). Built from the submitting client's
-    ``nbtrain.Settings``; see there for tuning advice."""
+    ``nbtrain.Settings``; see there for tuning advice. The watchdog's bounds are validated
+    on construction (see :class:`nbtrain.core.watchdog.WatchdogSettings`)."""
 
-    hang_factor: float = 20.0
-    hang_floor_s: float = 3.0
+    hang_factor: float = _WATCH.hang_factor
+    hang_floor_s: float = _WATCH.hang_floor_s
     peer_release_s: float = 0.3
     failure_grace_s: float = 10.0
-    setup_timeout_s: float = 600.0
-    restore_timeout_s: float = 600.0
-    rendezvous_timeout_s: float = 60.0
+    setup_timeout_s: float = _WATCH.setup_timeout_s
+    restore_timeout_s: float = _WATCH.restore_timeout_s
+    rendezvous_timeout_s: float = _WATCH.rendezvous_timeout_s
+
+    def __post_init__(self) -> None:
+        self.watchdog()  # raises ValueError naming every bad bound
+
+    def watchdog(self) -> WatchdogSettings:
+        """The hang and startup watchdog's settings for this job."""
+        return WatchdogSettings(hang_factor=self.hang_factor, hang_floor_s=self.hang_floor_s,
+                                setup_timeout_s=self.setup_timeout_s,
+                                restore_timeout_s=self.restore_timeout_s,
+                                rendezvous_timeout_s=self.rendezvous_timeout_s)
 
 
 @dataclass(frozen=True, kw_only=True)

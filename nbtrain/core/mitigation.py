@@ -285,17 +285,7 @@ class ReplacePolicy(AlertPolicy):
             (d for d in verdicts if d.state is Verdict.CONFIRMED),
             key=lambda d: (-_finite(d.step_share), d.rank, d.phase.value),
         )
-        live = {(d.rank, d.phase) for d in confirmed}
-        # a confirmed run that breaks (cleared, or back to suspect) starts over
-        self._confirmed_at = {
-            k: since for k, since in self._confirmed_at.items() if k in live}
-        for key in live:
-            self._confirmed_at.setdefault(key, ctx.now)
-        # a replacement is carried out once the rank runs somewhere else
-        self._pending = {
-            r: slot for r, slot in self._pending.items() if ctx.placement.get(r) == slot
-        }
-        self._noted = {k: v for k, v in self._noted.items() if k in live}
+        self._track(confirmed, ctx)
         if not confirmed:
             return actions
 
@@ -384,6 +374,21 @@ class ReplacePolicy(AlertPolicy):
             self._last_replace = ctx.now
             self.replacements += len(replaced)
         return actions + replaced
+
+    def _track(self, confirmed: Sequence[Diagnosis], ctx: MitigationContext) -> None:
+        """When each confirmed run began, the replacements still under way, and the notes
+        of runs that go on."""
+        live = {(d.rank, d.phase) for d in confirmed}
+        # a confirmed run that breaks (cleared, or back to suspect) starts over
+        self._confirmed_at = {
+            k: since for k, since in self._confirmed_at.items() if k in live}
+        for key in live:
+            self._confirmed_at.setdefault(key, ctx.now)
+        # a replacement is carried out once the rank runs somewhere else
+        self._pending = {
+            r: slot for r, slot in self._pending.items() if ctx.placement.get(r) == slot
+        }
+        self._noted = {k: v for k, v in self._noted.items() if k in live}
 
     def _pick_spare(
         self, where: SlotInfo, ctx: MitigationContext, taken: set[str]

@@ -21,9 +21,13 @@ from dataclasses import replace
 
 from nbtrain.core.sched_types import (
     Cancelled,
+    Checkpointed,
     Decision,
     Event,
+    Failed,
     Finished,
+    Released,
+    ResizeRequested,
     Resume,
     SchedulerConfig,
     Submit,
@@ -40,6 +44,9 @@ __all__ = ["CPU", "GPU", "KINDS", "DevicePools"]
 GPU = "gpu"
 CPU = "cpu"
 KINDS = (GPU, CPU)
+#: Events about one job (what is left of ``Event`` without the slots, the time and submits).
+_JobEvent = (Finished | Failed | Released | Checkpointed | Cancelled | Suspend | Resume
+             | ResizeRequested)
 
 
 class DevicePools:
@@ -77,25 +84,29 @@ class DevicePools:
                 return []
             return self.pools[kind].handle(event)
         kind = self._kind.get(event.job_id, "")
-        waiting = self._waiting.get(kind, [])
-        held = next((s for s in waiting if s.job.job_id == event.job_id), None)
+        held = next((s for s in self._waiting.get(kind, []) if s.job.job_id == event.job_id),
+                    None)
         if held is not None or event.job_id in self._parked:
-            # A job not in a pool yet: it waits for its kind's first slot, or was parked by
-            # the user meanwhile.
-            if isinstance(event, Finished | Cancelled | Suspend) and held is not None:
-                waiting.remove(held)
-                if isinstance(event, Suspend):
-                    self._parked[event.job_id] = held
-            elif isinstance(event, Finished | Cancelled):
-                self._parked.pop(event.job_id, None)
-            elif isinstance(event, Resume) and event.job_id in self._parked:
-                submit = self._parked.pop(event.job_id)
-                if kind in self.pools:
-                    return self.pools[kind].handle(replace(submit, now=event.now))
-                self._waiting.setdefault(kind, []).append(submit)
-            return []
+            return self._not_in_a_pool(event, kind, held)
         if kind in self.pools:
             return self.pools[kind].handle(event)
+        return []
+
+    def _not_in_a_pool(self, event: _JobEvent, kind: str,
+                       held: Submit | None) -> list[Decision]:
+        """An event of a job not in a pool yet: it waits for its kind's first slot (``held``:
+        its submit), or was parked by the user meanwhile."""
+        if isinstance(event, Finished | Cancelled | Suspend) and held is not None:
+            self._waiting[kind].remove(held)
+            if isinstance(event, Suspend):
+                self._parked[event.job_id] = held
+        elif isinstance(event, Finished | Cancelled):
+            self._parked.pop(event.job_id, None)
+        elif isinstance(event, Resume) and event.job_id in self._parked:
+            submit = self._parked.pop(event.job_id)
+            if kind in self.pools:
+                return self.pools[kind].handle(replace(submit, now=event.now))
+            self._waiting.setdefault(kind, []).append(submit)
         return []
 
     def _workers_added(self, ev: WorkersAdded) -> list[Decision]:
@@ -170,6 +181,11 @@ class DevicePools:
         """Slot id -> the job holding it (None: free or offline), over every pool."""
         return {s: o for p in self.pools.values()
                 for s, o in zip(p.topo.slot_ids, p.owners(), strict=True)}
+
+    def check_invariants(self) -> None:
+        """Every pool's (``JobBook.check_invariants``); ``AssertionError`` if one breaks."""
+        for pool in self.pools.values():
+            pool.check_invariants()
 
     def team_usage(self) -> dict[str, float]:
         out: dict[str, float] = {}

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import numpy.typing as npt
@@ -107,41 +107,11 @@ class Scheduler(JobBook):
     def _apply(self, ev: Event, out: list[Decision]) -> None:
         if isinstance(ev, Submit):
             self._submit(ev.job, out)
-        elif isinstance(ev, Finished | Cancelled):
-            j = self._jobs.get(ev.job_id)
-            if j is not None and j.state != "done":
-                self._release(j)
-                self._dequeue(j)
-                j.state = "done"
-        elif isinstance(ev, Failed):
-            j = self._jobs.get(ev.job_id)
-            if j is not None and j.state in ("running", "stopping"):
-                self._release(j)
-                if ev.requeue:
-                    j.avoid = ev.avoid
-                    self._enqueue(j)
-                else:
-                    j.state = "done"
-        elif isinstance(ev, Released):
-            j = self._jobs.get(ev.job_id)
-            if j is not None and j.state in ("running", "stopping"):
-                self._release(j)
-                j.avoid = ev.avoid
-                self._enqueue(j)
-        elif isinstance(ev, Suspend):
-            j = self._jobs.get(ev.job_id)
-            if j is not None and j.state != "done":
-                self._release(j)
-                self._dequeue(j)
-                j.state = "held"
-        elif isinstance(ev, Resume):
-            j = self._jobs.get(ev.job_id)
-            if j is not None and j.state == "held":
-                self._enqueue(j)
-        elif isinstance(ev, Checkpointed):
+        elif isinstance(ev, Finished | Cancelled | Failed | Released | Suspend | Resume
+                        | Checkpointed):
             j = self._jobs.get(ev.job_id)
             if j is not None:
-                j.last_ckpt_t = ev.now
+                self._job_event(j, ev)
         elif isinstance(ev, ResizeRequested):
             self._resize_request(ev, out)
         elif isinstance(ev, WorkersAdded):
@@ -150,6 +120,28 @@ class Scheduler(JobBook):
             self._workers_removed(ev, out)
         elif not isinstance(ev, Tick):
             raise TypeError(f"unknown event {ev!r}; see nbtrain.core.sched_types.Event")
+
+    def _job_event(self, j: JobRecord, ev: Finished | Cancelled | Failed | Released | Suspend
+                   | Resume | Checkpointed) -> None:
+        """What the engine says about one of the jobs it was told to run."""
+        if isinstance(ev, Finished | Cancelled | Suspend):
+            if j.state != "done":
+                self._release(j)
+                self._dequeue(j)
+                j.state = "held" if isinstance(ev, Suspend) else "done"
+        elif isinstance(ev, Failed | Released):
+            if j.state in ("running", "stopping"):
+                self._release(j)
+                if isinstance(ev, Failed) and not ev.requeue:
+                    j.state = "done"
+                else:
+                    j.avoid = ev.avoid
+                    self._enqueue(j)
+        elif isinstance(ev, Resume):
+            if j.state == "held":
+                self._enqueue(j)
+        else:
+            j.last_ckpt_t = ev.now
 
     def _submit(self, req: JobRequest, out: list[Decision]) -> None:
         if req.job_id in self._jobs:
@@ -244,6 +236,13 @@ class Scheduler(JobBook):
         if self._n_queued == 0:
             self._grow_elastic(out)
             return
+        head = self._pass(out)
+        if head is None and not self._shrunk:
+            self._grow_elastic(out)
+
+    def _pass(self, out: list[Decision]) -> JobRecord | None:
+        """One pass over the queue: start what fits, make way for the first blocked job (the
+        head: reserve its slots, backfill behind it); returns the head (None: none blocked)."""
         cfg = self.config
         avail: SlotState | None = None
         shadow = math.inf
@@ -257,53 +256,14 @@ class Scheduler(JobBook):
         self._later_failed: dict[tuple[int, int], int] = {}
         queue = self._queue_list()
         self.work.queued += len(queue)
-        now = self.now
         later_ok = cfg.preemption and cfg.order == "priority"
         for j in queue:
-            if self._state.n_free == 0 and head is not None:
-                # Nothing more can start; jobs behind the head may still preempt.
-                if not (later_ok and later_preemptors):
-                    break
-                later_preemptors -= 1
-                self._preempt_for_later(j, reserved, shadow, out)
-                continue
-            req = j.req
-            tp = req.layout.tp
-            need = req.min_slots
-            if avail is not None and need >= fail_view.get(tp, _NEVER) and not j.claim:
-                # Cannot fit the backfill view; the live state only takes it if it ends before
-                # the shadow time (``_ends_by``, inlined: a long queue is mostly such jobs).
-                est = req.est_duration_s
-                if need >= fail_live.get(tp, _NEVER) or est is None or not (
-                    now + est * req.size / max(need, 1) <= shadow
-                ):
-                    continue
-            targets = [(self._state, fail_live)] if avail is None else [(avail, fail_view)]
-            if avail is not None and (self._ends_by(j, need, shadow)
-                                      or (j.claim and not math.isfinite(shadow))):
-                targets.append((self._state, fail_live))
-            started = False
-            for st, fails in targets:
-                if need >= fails.get(tp, _NEVER):
-                    continue
-                idx = self._fit(st, j)
-                if idx is None:
-                    fails[tp] = min(fails.get(tp, _NEVER), need)
-                    continue
-                on_reserved = st is self._state and avail is not None
-                claimed = j.claim and not math.isfinite(shadow)
-                if on_reserved and not claimed and not self._ends_by(
-                    j, int(idx.shape[0]), shadow
-                ):
-                    continue  # uses reserved slots and might outlive the shadow time
-                est = req.est_duration_s
-                promise = (now + est * req.size / int(idx.shape[0])
-                           if on_reserved and not claimed and est is not None else None)
-                out.append(self._start(j, idx, avail))
-                j.promise = promise
-                started = True
+            # Nothing more can start once the slots are gone; jobs behind the head may still
+            # preempt.
+            full = self._state.n_free == 0 and head is not None
+            if full and not (later_ok and later_preemptors):
                 break
-            if started:
+            if not full and self._try_start(j, avail, shadow, fail_live, fail_view, out):
                 continue
             if head is not None:
                 if later_ok and later_preemptors:
@@ -325,14 +285,56 @@ class Scheduler(JobBook):
             self._avail = avail
         self._avail = None
         self._cap_cache.clear()
-        if head is None and not self._shrunk:
-            self._grow_elastic(out)
+        return head
+
+    def _try_start(self, j: JobRecord, avail: SlotState | None, shadow: float,
+                   fail_live: dict[int, int], fail_view: dict[int, int],
+                   out: list[Decision]) -> bool:
+        """Start ``j`` where it fits: the live state, or behind a blocked head the backfill
+        view (``avail``) and the live state only for a job that ends before the ``shadow``
+        time. True when the pass is done with it (started, or known not to fit); False when
+        it is blocked."""
+        req = j.req
+        tp = req.layout.tp
+        need = req.min_slots
+        now = self.now
+        if avail is not None and need >= fail_view.get(tp, _NEVER) and not j.claim:
+            # Cannot fit the backfill view; the live state only takes it if it ends before
+            # the shadow time (``_ends_by``, inlined: a long queue is mostly such jobs).
+            est = req.est_duration_s
+            if need >= fail_live.get(tp, _NEVER) or est is None or not (
+                now + est * req.size / max(need, 1) <= shadow
+            ):
+                return True
+        targets = [(self._state, fail_live)] if avail is None else [(avail, fail_view)]
+        if avail is not None and (self._ends_by(j, need, shadow)
+                                  or (j.claim and not math.isfinite(shadow))):
+            targets.append((self._state, fail_live))
+        for st, fails in targets:
+            if need >= fails.get(tp, _NEVER):
+                continue
+            idx = self._fit(st, j)
+            if idx is None:
+                fails[tp] = min(fails.get(tp, _NEVER), need)
+                continue
+            on_reserved = st is self._state and avail is not None
+            claimed = j.claim and not math.isfinite(shadow)
+            if on_reserved and not claimed and not self._ends_by(
+                j, int(idx.shape[0]), shadow
+            ):
+                continue  # uses reserved slots and might outlive the shadow time
+            est = req.est_duration_s
+            promise = (now + est * req.size / int(idx.shape[0])
+                       if on_reserved and not claimed and est is not None else None)
+            out.append(self._start(j, idx, avail))
+            j.promise = promise
+            return True
+        return False
 
     def _head_blocked(self, head: JobRecord, out: list[Decision]) -> tuple[IntArray | None, float]:
         """Make way for the blocked head; return its reserved slots and the shadow time
         (``None`` slots when it could start right away)."""
         cfg = self.config
-        req = head.req
         soon = self._state
         if self._stopping:
             # Without jobs being stopped ``soon`` is the live state, on which the head has just
@@ -348,49 +350,60 @@ class Scheduler(JobBook):
             if started:
                 return None, self.now
         if cfg.preemption and cfg.order == "priority":
-            # Victims: preemptible jobs of lower priority, and (whatever their priority, up to
-            # the head's) jobs that backfilled on the head's slots and overran the estimate
-            # that let them.
-            cost = {
-                j.num: self._lost_work(j)
-                for prio, running in self._running_at.items() if prio <= req.priority
-                for j in running.values()
-                if j.req.preemptible and (prio < req.priority or self.overran(j))
-            }
-            self.work.running += len(cost)
-            plan = None
-            if cost:
-                self.work.slots += self.topo.n_slots
-                plan = choose_victims(soon, req.min_slots, req.layout, cost)
-            idx = None
-            if plan is not None:
-                trial = self._copy(soon)
-                trial.release(np.concatenate([self._by_num[n].idx for n in plan.victims]))
-                idx = self._fit(trial, head)
-            # Shrinking elastic jobs with preemptions on top is tried when preemptions alone
-            # fail, or would stop an elastic job whole.
-            stops_elastic = plan is not None and any(
-                self._by_num[n].req.elastic for n in plan.victims)
-            combined = (self._shrink_and_preempt(head, soon, cost)
-                        if self._flex and (idx is None or stops_elastic) else None)
-            if combined is not None and (idx is None or plan is None
-                                         or combined[3] <= plan.lost):
-                shrinks, victims, head_idx, _ = combined
-                for j, small in shrinks:
-                    out.append(self._move(j, small, f"shrunk for {req.job_id!r}"))
-                self._shrunk = True
-                for num in victims:
-                    out.append(self._preempt(self._by_num[num], head,
-                                             self._why_preempted(self._by_num[num], head),
-                                             cfg.preempt_grace_s))
-                return head_idx, self.now
-            if plan is not None and idx is not None:
-                for num in plan.victims:
-                    out.append(self._preempt(self._by_num[num], head,
-                                             self._why_preempted(self._by_num[num], head),
-                                             cfg.preempt_grace_s))
+            idx = self._preempt_for_head(head, soon, out)
+            if idx is not None:
                 return idx, self.now
         return self._shadow(head)
+
+    def _preempt_for_head(self, head: JobRecord, soon: SlotState,
+                          out: list[Decision]) -> IntArray | None:
+        """Preempt (and shrink) for the blocked head; its slots when that makes room, else
+        None (nothing is preempted)."""
+        req = head.req
+        # Victims: preemptible jobs of lower priority, and (whatever their priority, up to
+        # the head's) jobs that backfilled on the head's slots and overran the estimate
+        # that let them.
+        cost = {
+            j.num: self._lost_work(j)
+            for prio, running in self._running_at.items() if prio <= req.priority
+            for j in running.values()
+            if j.req.preemptible and (prio < req.priority or self.overran(j))
+        }
+        self.work.running += len(cost)
+        plan = None
+        if cost:
+            self.work.slots += self.topo.n_slots
+            plan = choose_victims(soon, req.min_slots, req.layout, cost)
+        idx = None
+        if plan is not None:
+            trial = self._copy(soon)
+            trial.release(np.concatenate([self._by_num[n].idx for n in plan.victims]))
+            idx = self._fit(trial, head)
+        # Shrinking elastic jobs with preemptions on top is tried when preemptions alone
+        # fail, or would stop an elastic job whole.
+        stops_elastic = plan is not None and any(
+            self._by_num[n].req.elastic for n in plan.victims)
+        combined = (self._shrink_and_preempt(head, soon, cost)
+                    if self._flex and (idx is None or stops_elastic) else None)
+        if combined is not None and (idx is None or plan is None
+                                     or combined[3] <= plan.lost):
+            shrinks, victims, head_idx, _ = combined
+            for j, small in shrinks:
+                out.append(self._move(j, small, f"shrunk for {req.job_id!r}"))
+            self._shrunk = True
+            self._preempt_all(victims, head, out)
+            return head_idx
+        if plan is not None and idx is not None:
+            self._preempt_all(plan.victims, head, out)
+            return idx
+        return None
+
+    def _preempt_all(self, victims: Iterable[int], head: JobRecord,
+                     out: list[Decision]) -> None:
+        for num in victims:
+            out.append(self._preempt(self._by_num[num], head,
+                                     self._why_preempted(self._by_num[num], head),
+                                     self.config.preempt_grace_s))
 
     def _why_preempted(self, victim: JobRecord, by: JobRecord) -> str:
         reason = f"preempted for {by.req.job_id!r} (priority {by.req.priority})"

@@ -142,6 +142,22 @@ class StragglerSettings:
     """The phases judged."""
 
     def __post_init__(self) -> None:
+        problems = [*self._vote_problems(), *self._confirm_problems(), *self._floor_problems()]
+        try:
+            phases = tuple(Phase(p) for p in self.phases)
+        except ValueError:
+            phases = ()
+        if not phases or len(set(phases)) != len(phases):
+            problems.append(
+                f"phases must be a non-empty selection of {[p.value for p in PHASES]} without "
+                f"repeats, got {self.phases!r}"
+            )
+        else:
+            object.__setattr__(self, "phases", phases)
+        if problems:
+            raise ValueError("invalid StragglerSettings: " + "; ".join(problems))
+
+    def _vote_problems(self) -> list[str]:
         problems: list[str] = []
         if not self.ratio > 1.0:
             problems.append(f"ratio must be > 1, got {self.ratio!r} (e.g. ratio=1.2)")
@@ -157,6 +173,10 @@ class StragglerSettings:
                 f"clear_votes must be >= 0 and below suspect_votes={self.suspect_votes}, "
                 f"got {self.clear_votes!r}"
             )
+        return problems
+
+    def _confirm_problems(self) -> list[str]:
+        problems: list[str] = []
         if not (isinstance(self.confirm_steps, int) and self.confirm_steps >= 1):
             problems.append(f"confirm_steps must be an integer >= 1, got {self.confirm_steps!r}")
         if not 0.0 < self.confirm_fraction <= 1.0:
@@ -170,6 +190,10 @@ class StragglerSettings:
             problems.append(f"confirm_z must be >= 0, got {self.confirm_z!r}")
         if not self.confirm_s >= 0.0:
             problems.append(f"confirm_s must be >= 0 seconds, got {self.confirm_s!r}")
+        return problems
+
+    def _floor_problems(self) -> list[str]:
+        problems: list[str] = []
         if not (isinstance(self.noise_steps, int) and self.noise_steps >= 2):
             problems.append(f"noise_steps must be an integer >= 2, got {self.noise_steps!r}")
         if not (isinstance(self.warmup_steps, int) and self.warmup_steps >= 0):
@@ -180,19 +204,7 @@ class StragglerSettings:
             problems.append(f"min_step_share must be in [0, 1), got {self.min_step_share!r}")
         if not self.min_z >= 0.0:
             problems.append(f"min_z must be >= 0, got {self.min_z!r}")
-        try:
-            phases = tuple(Phase(p) for p in self.phases)
-        except ValueError:
-            phases = ()
-        if not phases or len(set(phases)) != len(phases):
-            problems.append(
-                f"phases must be a non-empty selection of {[p.value for p in PHASES]} without "
-                f"repeats, got {self.phases!r}"
-            )
-        else:
-            object.__setattr__(self, "phases", phases)
-        if problems:
-            raise ValueError("invalid StragglerSettings: " + "; ".join(problems))
+        return problems
 
     @property
     def confirm_votes(self) -> int:

@@ -248,27 +248,9 @@ class Topology:
         # Labels per (host, position): a slot id listed twice is left for the constructor to
         # report as a duplicate.
         labels = {h: [nvlink_of.get(s) or f"host:{h}" for s in slots] for h, slots in items}
-        hosts_of_label: dict[str, set[str]] = {}
-        for h, _ in items:
-            for lab in labels[h]:
-                hosts_of_label.setdefault(lab, set()).add(h)
-        multi = {lab for lab, hs in hosts_of_label.items() if len(hs) > 1}
-        for h, _ in items:
-            distinct = set(labels[h])
-            if distinct & multi and len(distinct) > 1:
-                raise ValueError(
-                    f"host {h!r} has slots in NVLink domains {sorted(distinct)}, one of which "
-                    "spans hosts: a multi-host NVLink domain must hold whole hosts"
-                )
         leaf_label = {h: leaf_of.get(h, "") for h, _ in items}
         pod_label = {h: pod_of.get(leaf_label[h], "") for h, _ in items}
-        for lab in multi:
-            leaves = {leaf_label[h] for h in hosts_of_label[lab]}
-            if len(leaves) > 1:
-                raise ValueError(
-                    f"NVLink domain {lab!r} spans leaf switches {sorted(leaves)}: a multi-host "
-                    "NVLink domain sits under one leaf switch"
-                )
+        _check_multi_host(labels, leaf_label)
         first_seen: dict[str, int] = {}
         for i, (h, _) in enumerate(items):
             first_seen.setdefault(labels[h][0], i)
@@ -415,3 +397,27 @@ def _contiguous_bounds(name: str, arr: IntArray) -> IntArray:
 def _positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_multi_host(labels: Mapping[str, list[str]], leaf_label: Mapping[str, str]) -> None:
+    """A multi-host NVLink domain holds whole hosts, under one leaf switch (``labels``: each
+    host's slots' domain labels, in host order)."""
+    hosts_of_label: dict[str, set[str]] = {}
+    for h in labels:
+        for lab in labels[h]:
+            hosts_of_label.setdefault(lab, set()).add(h)
+    multi = {lab for lab, hs in hosts_of_label.items() if len(hs) > 1}
+    for h in labels:
+        distinct = set(labels[h])
+        if distinct & multi and len(distinct) > 1:
+            raise ValueError(
+                f"host {h!r} has slots in NVLink domains {sorted(distinct)}, one of which "
+                "spans hosts: a multi-host NVLink domain must hold whole hosts"
+            )
+    for lab in multi:
+        leaves = {leaf_label[h] for h in hosts_of_label[lab]}
+        if len(leaves) > 1:
+            raise ValueError(
+                f"NVLink domain {lab!r} spans leaf switches {sorted(leaves)}: a multi-host "
+                "NVLink domain sits under one leaf switch"
+            )

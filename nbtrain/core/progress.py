@@ -1,0 +1,195 @@
+"""What a generation's ranks report, for their job (pure): step rows, checkpoints, startup.
+
+The job machine (:mod:`nbtrain.core.lifecycle`) hands the current generation's rank
+messages here. Step rows feed the watchdog (progress, the median step), the goodput ledger,
+the straggler detector and the non-finite check (an alert, or with ``on_nonfinite="halt"`` a
+stop without a checkpoint); the generation's first rows end a recovery or a resize and make
+the job RUNNING. A straggler's replacement goes through the preemption path. Commands go to
+the :class:`nbtrain.core.outbox.Outbox`; nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from nbtrain.core.job import JobState
+from nbtrain.core.jobevents import nonfinite_event, recovery_event, resize_event
+from nbtrain.core.jobrecord import Generation, LiveJob, Preemption
+from nbtrain.core.mitigation import ActionKind, SlotInfo
+from nbtrain.core.outbox import Outbox
+from nbtrain.core.records import ROW_COLUMNS
+from nbtrain.core.stragglerwatch import mitigation_event
+
+__all__ = ["METRICS_AT", "After", "message", "mitigate"]
+
+#: Position of the metrics dict in a rank's step row.
+METRICS_AT = len(ROW_COLUMNS)
+#: Rank messages too frequent for the job's log: only the current generation's count.
+QUIET = ("steps", "phase", "device")
+
+
+class After(enum.Enum):
+    """What the machine does after a rank message."""
+
+    NOTHING = "nothing"
+    COMMITTED = "committed"  # a newer checkpoint committed: tell the scheduler
+    MITIGATE = "mitigate"  # rank 0's rows of a RUNNING job: the straggler policy decides
+
+
+def message(job: LiveJob, msg: Mapping[str, Any], now: float, out: Outbox) -> After:
+    """A message from one of the job's ranks (see ``nbtrain.core.jobevents.RANK_KINDS``);
+    one of an ended generation only counts where it says what was committed."""
+    kind = msg.get("kind")
+    gen = job.gen if job.gen is not None and msg.get("gen") == job.gen.number else None
+    if kind in QUIET:
+        return After.NOTHING if gen is None else _progress(job, gen, str(kind), msg, now, out)
+    out.publish(job, msg)
+    if kind == "checkpoint":
+        committed = _checkpointed(job, msg) and job.gen is not None
+        return After.COMMITTED if committed else After.NOTHING
+    if kind == "rank_started" and gen is not None:
+        _rank_started(job, gen, msg, now, out)
+    elif kind == "fault_injected" and gen is not None:
+        job.fired.add(str(msg["fault"]["id"]))
+        gen.injected = dict(msg)
+    return After.NOTHING
+
+
+def _progress(job: LiveJob, gen: Generation, kind: str, msg: Mapping[str, Any], now: float,
+              out: Outbox) -> After:
+    """Step rows; a rank's startup phase (for the startup watchdog); a rank's GPU readings
+    (for straggler verdicts)."""
+    rank = int(msg["rank"])
+    if kind == "steps":
+        _steps(job, gen, rank, msg["rows"], now, out)
+        if rank == 0 and job.state is JobState.RUNNING:
+            return After.MITIGATE
+    elif kind == "phase":
+        gen.watch.entered(rank, str(msg["phase"]), now)
+    else:
+        job.stragglers.device(rank, dict(msg.get("readings") or {}))
+    return After.NOTHING
+
+
+def _steps(job: LiveJob, gen: Generation, rank: int, rows: list[Any], now: float,
+          out: Outbox) -> None:
+    """Step rows of ``rank`` of the current generation ``gen``."""
+    gen.watch.progressed(now)
+    _check_finite(job, gen, rank, rows, out)
+    if rank == 0 and rows:
+        for row in rows:
+            job.ledger.step(int(row[0]), float(row[2]))
+        job.longest_step = max(job.longest_step,
+                               gen.watch.record_steps(float(row[2]) for row in rows))
+        job.step = max(job.step, int(rows[-1][0]))
+    try:
+        events = job.stragglers.observe(rank, rows)
+    except ValueError:  # malformed timing (e.g. clock jumps): skip, never break the job
+        events = []
+    for event in events:
+        out.publish(job, event)
+    if not gen.running:
+        _first_step(job, gen, rows, now, out)
+
+
+def _first_step(job: LiveJob, gen: Generation, rows: list[Any], now: float,
+                out: Outbox) -> None:
+    """The generation's first step rows: it trains (a recovery or a resize is done)."""
+    gen.running = True
+    job.ledger.enter("training", now)
+    if job.recovering:
+        _finish_recovery(job, gen, rows, now, out)
+    done = job.plan.launched
+    if done is not None:
+        job.plan.launched = None
+        out.publish(job, resize_event(out.wall, phase="done", old=done.old_size, new=gen.size,
+                                      reason=done.reason, generation=gen.number,
+                                      duration_s=now - done.asked))
+    if job.state is JobState.STARTING:
+        out.set_state(job, JobState.RUNNING, f"training (generation {gen.number})")
+
+
+def _finish_recovery(job: LiveJob, gen: Generation, rows: list[Any], now: float,
+                     out: Outbox) -> None:
+    fault = job.fault_log[-1] if job.fault_log else {}
+    start = fault.get("_detected_mono")
+    recovery_s = now - start if start is not None else None
+    if fault:
+        fault["recovery_s"] = recovery_s
+    job.recovering = ""
+    out.publish(job, recovery_event(
+        out.wall, generation=gen.number, recovery_s=recovery_s,
+        resumed_step=int(rows[0][0]) - 1 if rows else None,
+        lost_steps=fault.get("lost_steps"), fault=fault.get("what")))
+
+
+def _check_finite(job: LiveJob, gen: Generation, rank: int, rows: list[Any],
+                  out: Outbox) -> None:
+    """A NaN or infinite metric is news at once; with ``on_nonfinite="halt"`` the job
+    stops without checkpointing the bad state."""
+    for row in rows:
+        metrics = row[METRICS_AT] if len(row) > METRICS_AT else None
+        if not isinstance(metrics, dict):
+            continue
+        for name, value in metrics.items():
+            if math.isfinite(value) or name in gen.nonfinite:
+                continue
+            gen.nonfinite.add(name)
+            halting = job.spec.on_nonfinite == "halt" and not job.stop_requested
+            out.publish(job, nonfinite_event(
+                out.wall, rank=rank, step=int(row[0]), metric=name, value=value,
+                generation=gen.number, halting=halting))
+            if halting and gen.control.get("halt", 0) == 0:
+                job.halt_reason = f"{name} was {value} at step {int(row[0])} on rank {rank}"
+                out.set_control(job, halt=1)
+                out.set_state(job, JobState.STOPPING,
+                              f"halting: {job.halt_reason}; stopping without a checkpoint, "
+                              "so the newest one stays the last good state")
+
+
+def mitigate(job: LiveJob, now: float, placement: dict[int, SlotInfo],
+             spares: list[SlotInfo], grace_s: float, out: Outbox) -> None:
+    """The straggler policy's actions after rank 0's rows (``placement``: where the ranks
+    run; ``spares``: free slots of the job's kind); a replacement gets ``grace_s`` to
+    checkpoint."""
+    for action in job.stragglers.decide(now, job.step, placement, spares):
+        event = mitigation_event(action)
+        event["time"] = out.wall
+        out.publish(job, event)
+        if (action.kind is ActionKind.REPLACE and action.slot is not None
+                and job.preempt is None and not job.stop_requested):
+            # Through the preemption path: checkpoint, end the generation, start again
+            # without the slow slot. No committed step is lost.
+            job.preempt = Preemption(cause="replace", reason=action.reason,
+                                     deadline=now + grace_s, slot=action.slot.slot)
+            out.set_control(job, preempt=1)
+            out.set_state(job, JobState.STOPPING, f"replacing slow rank {action.rank}: "
+                                                  "checkpoint at the next step boundary")
+
+
+def _checkpointed(job: LiveJob, msg: Mapping[str, Any]) -> bool:
+    """A ``checkpoint`` message (any generation's); True when it committed a newer step
+    than the job had (the scheduler is told, for its preemption costs)."""
+    phase = msg.get("phase")
+    if phase == "committed":
+        step = int(msg["step"])
+        job.ledger.committed(step)
+        if step > job.committed_step:
+            job.committed_step = step
+            return True
+    elif phase == "snapshot" and msg.get("rank") == 0:
+        job.ledger.checkpoint_blocked(
+            (float(msg.get("blocking_ms", 0)) + float(msg.get("wait_ms", 0))) / 1e3)
+    return False
+
+
+def _rank_started(job: LiveJob, gen: Generation, msg: Mapping[str, Any], now: float,
+                 out: Outbox) -> None:
+    """A rank of ``gen`` restored and starts its first step; rank 0 says where from."""
+    gen.watch.entered(int(msg["rank"]), "first step", now)
+    if msg.get("rank") == 0:
+        for event in job.stragglers.restart(gen.size, int(msg["start_step"])):
+            out.publish(job, event)
