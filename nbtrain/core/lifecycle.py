@@ -241,7 +241,7 @@ class JobMachine:
         spec = job.spec
         # ``target``: the size asked for, the world size unless a resize (carried over a
         # controller restart) asked for another.
-        request = JobRequest(job_id=job.id, size=job.target if spec.resizable
+        request = JobRequest(job_id=job.id, size=job.plan.target if spec.resizable
                              else spec.world_size, priority=spec.priority,
                              team=spec.team, layout=spec.layout,
                              min_size=spec.bounds[0] if spec.resizable else None)
