@@ -107,3 +107,24 @@ def test_a_backfilled_job_that_overruns_its_estimate_is_preempted_for_the_head()
     ds = s.handle(Released(102, "filler"))
     assert "head" in _started(ds)
     s.check_invariants()
+
+
+def test_a_preemption_plan_without_victims_does_not_crash_the_pass() -> None:
+    """Found by fuzzing the job machine: behind a blocked head, ``choose_victims`` can return
+    a plan with no victims; the pass used to raise (``np.concatenate`` of nothing), and inside
+    the machine that read as a worker whose labels do not fit."""
+    from nbtrain.core.sched_types import WorkersAdded
+
+    s = Scheduler(Topology.from_hosts({"h0": ["h0#0"]}),
+                  SchedulerConfig(preempt_grace_s=3.0, can_grow=True))
+
+    def job(i: str, n: int, p: int, t: str, mn: int | None = None) -> JobRequest:
+        return JobRequest(job_id=i, size=n, priority=p, team=t, min_size=mn)
+
+    for ev in [Submit(367.8, job("j8", 1, 2, "a")), WorkersAdded(399.8, {"hx": ("hx#1",)}),
+               Submit(407.8, job("j10", 2, 1, "b", 1)), WorkersAdded(481.0, {"h0": ("h0#3",)}),
+               Submit(595.0, job("j13", 3, 3, "a", 2)), WorkersAdded(793.7, {"hx": ("hx#0",)}),
+               Submit(794.9, job("j17", 4, 3, "a", 4)), Released(802.9, "j8", avoid=frozenset())]:
+        s.handle(ev)  # raised ValueError before the fix
+        s.check_invariants()
+    assert set(s.queued()) >= {"j17"}

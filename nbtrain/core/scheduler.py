@@ -494,6 +494,8 @@ class Scheduler(JobBook):
         self.work.running += len(cost)
         base = self._avail if binding and self._avail is not None else self._state
         plan = choose_victims(base, req.min_slots, req.layout, cost) if cost else None
+        if plan is not None and not plan.victims:
+            plan = None  # nothing to preempt: preempting cannot make it fit sooner
         trial = None
         if plan is not None:
             trial = self._copy(base)
