@@ -147,3 +147,27 @@ def test_an_elastic_job_restarts_at_the_size_its_user_asked_for() -> None:
     n = carry_over(h, ["el"])
     [launch] = n.launches("el")
     assert len(launch.addresses) == 1
+
+
+def test_requests_are_judged_by_the_machine() -> None:
+    """Resume only a PREEMPTED job; inject only into a rank the job has (a grown elastic job's
+    new ranks included, the size it runs at when running)."""
+    h = Harness(workers=3)
+    h.feed(Submitted, JobSubmission(spec=_spec("el", 2, min_size=1, max_size=3),
+                                    policy=POLICY))
+    out = h.feed(Request, "el", "resume")
+    assert [c.reason for c in h.of(Rejected, out)] == [
+        "job job-el is STARTING: only a PREEMPTED job can resume(); to continue an ended job "
+        "submit it again with resume='latest'"]
+    out = h.feed(Request, "el", "inject", Fault(kind="raise", rank=2))
+    assert [c.reason for c in h.of(Rejected, out)] == ["rank must be in 0..1, got 2"]
+    h.steps("el", 0, 5)
+    h.feed(Request, "el", "resize", {"size": 3})
+    h.steps("el", 0, 6)
+    h.committed("el", 0, 6)
+    for r in (0, 1):
+        h.exit("el", 0, r, outcome="preempted", step=6)
+    h.advance(1.0)
+    assert len(h.launches("el")[-1].addresses) == 3
+    out = h.feed(Request, "el", "inject", Fault(kind="raise", rank=2))
+    assert not h.of(Rejected, out), "rank 2 of the grown job is a real rank"

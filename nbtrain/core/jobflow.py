@@ -23,7 +23,7 @@ from nbtrain.core.explain import fault_list, restart_budget
 from nbtrain.core.job import JobState
 from nbtrain.core.jobevents import preemption_event, resize_event
 from nbtrain.core.jobrecord import CONTROLLER_RESTARTED, Generation, LiveJob, Preemption
-from nbtrain.core.lifecycle_types import CarriedHistory, Deliver
+from nbtrain.core.lifecycle_types import CarriedHistory, Deliver, Rejected
 from nbtrain.core.outbox import Outbox
 from nbtrain.core.placement import Placement
 from nbtrain.core.resizeplan import PendingResize
@@ -174,9 +174,13 @@ def request(job: LiveJob, what: str, arg: Any, *, now: float, grace_s: float,
         for event in job.stragglers.update(**dict(arg)):
             out.publish(job, event)
     elif what == "inject":
-        job.planned.append(arg)
         gen = job.gen
-        if gen is not None and arg.rank < len(gen.addresses):
+        ranks = gen.size if gen is not None else job.spec.bounds[1]
+        if not 0 <= arg.rank < ranks:
+            out.add(Rejected(job.id, f"rank must be in 0..{ranks - 1}, got {arg.rank}"))
+            return None
+        job.planned.append(arg)
+        if gen is not None:
             out.add(Deliver(job.id, gen.addresses[arg.rank], arg))
     else:
         raise ValueError(f"unknown request {what!r}")
@@ -222,7 +226,14 @@ def _resume(job: LiveJob, now: float, scheduled: bool, out: Outbox) -> Next:
         job.queue_note = "resuming"
         out.set_state(job, JobState.QUEUED, "resuming: waiting for slots")
         return Resume(now, job.id)
+    if job.state is not JobState.PREEMPTED:
+        out.add(Rejected(job.id, resume_rejected(job.name, job.state)))
     return None
+
+
+def resume_rejected(name: str, state: JobState) -> str:
+    return (f"job {name} is {state.value}: only a PREEMPTED job can resume(); to continue "
+            "an ended job submit it again with resume='latest'")
 
 
 # ====================================================================== a generation ended

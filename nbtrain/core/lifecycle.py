@@ -728,7 +728,11 @@ class JobMachine:
     # ================================================================== requests
     def _on_request(self, ev: Request) -> None:
         job = self._jobs.get(ev.job_id)
-        if job is None or job.state.terminal:
+        if job is None:
+            return
+        if job.state.terminal:
+            if ev.what == "resume":
+                self._out.add(Rejected(job.id, jobflow.resume_rejected(job.name, job.state)))
             return
         if ev.what == "resize":
             self._request_resize(job, ev.arg)

@@ -28,6 +28,7 @@ __all__ = [
     "EndGeneration",
     "Event",
     "HangDiagnosed",
+    "JobEnded",
     "JobPolicy",
     "JobSubmission",
     "Launch",
@@ -331,6 +332,15 @@ class Publish:
 
 
 @dataclass(frozen=True)
+class JobEnded:
+    """The job reached ``state`` (SUCCEEDED, FAILED or CANCELLED): nothing of it will run
+    again. Said once, right after its last state event."""
+
+    job_id: str
+    state: str
+
+
+@dataclass(frozen=True)
 class Rejected:
     """A submission that will not run, with the values and the fix."""
 
@@ -339,4 +349,4 @@ class Rejected:
 
 
 Command = (Launch | SetControl | Deliver | RestartWorkers | Cancel | Diagnose | EndGeneration
-           | Publish | Rejected | AbortCollectives)
+           | Publish | Rejected | AbortCollectives | JobEnded)

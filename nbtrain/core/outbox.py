@@ -13,7 +13,7 @@ from typing import Any
 from nbtrain.core.job import TRANSITIONS, JobState, TransitionError
 from nbtrain.core.jobevents import state_event
 from nbtrain.core.jobrecord import LiveJob
-from nbtrain.core.lifecycle_types import Command, Publish, SetControl
+from nbtrain.core.lifecycle_types import Command, JobEnded, Publish, SetControl
 
 __all__ = ["Outbox"]
 
@@ -62,6 +62,8 @@ class Outbox:
         job.state = state
         job.reason = reason
         self.publish(job, state_event(self.wall, state.value, reason))
+        if state.terminal:  # terminal states have no way out: this happens once
+            self.commands.append(JobEnded(job.id, state.value))
 
     def set_control(self, job: LiveJob, **flags: int) -> None:
         """Control flags for the ranks of the job's current generation (none: nothing)."""

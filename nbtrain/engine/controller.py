@@ -52,6 +52,7 @@ from nbtrain.core.lifecycle_types import (
     EndGeneration,
     Event,
     HangDiagnosed,
+    JobEnded,
     Launch,
     MachineConfig,
     Publish,
@@ -328,10 +329,10 @@ class ClusterController(SchedulerPlugin):
                 sink = self.assets[c.job_id].trackers
                 if sink is not None:
                     sink.event(c.event)
-                if c.event.get("kind") == "state" and c.event.get("state") in (
-                        "SUCCEEDED", "FAILED", "CANCELLED"):
-                    self._job_ended(c.job_id)
             self.wake()
+        elif isinstance(c, JobEnded):
+            if c.job_id in self.assets:
+                self._job_ended(c.job_id)
         elif isinstance(c, Launch):
             # Before the launch task runs, so a request that follows at once is not lost.
             self.assets[c.job_id].control = {"gen": c.generation, "version": 0,

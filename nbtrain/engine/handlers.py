@@ -164,15 +164,15 @@ def apply_request(ctl: ClusterController, job_id: str, what: str, arg: Any = Non
     if what not in REQUESTS:
         raise ValueError(f"unknown request {what!r}; one of {', '.join(REQUESTS)}")
     status = _known(ctl, job_id)
+    if ctl.assets[job_id].final is not None:  # ended before this controller started
+        if what == "resume":
+            raise ValueError(f"job {status['name']} is {status['state']}: only a PREEMPTED "
+                             "job can resume(); to continue an ended job submit it again "
+                             "with resume='latest'")
+        return status
+    # Parsed here; judged (the rank's bound, whether the job may resume) by the machine.
     if what == "inject":
         arg = Fault.from_dict(dict(arg))
-        if not 0 <= arg.rank < int(status["world_size"]):
-            raise ValueError(f"rank must be in 0..{int(status['world_size']) - 1}, "
-                             f"got {arg.rank}")
-    if what == "resume" and status["state"] != "PREEMPTED":
-        raise ValueError(
-            f"job {status['name']} is {status['state']}: only a PREEMPTED job can resume(); "
-            "to continue an ended job submit it again with resume='latest'")
     if what == "resize":
         arg = dict(arg)
         if not isinstance(arg.get("size"), int) or isinstance(arg["size"], bool):
