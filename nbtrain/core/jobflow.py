@@ -174,11 +174,11 @@ def request(job: LiveJob, what: str, arg: Any, *, now: float, grace_s: float,
         for event in job.stragglers.update(**dict(arg)):
             out.publish(job, event)
     elif what == "inject":
-        gen = job.gen
-        ranks = gen.size if gen is not None else job.spec.bounds[1]
-        if not 0 <= arg.rank < ranks:
-            out.add(Rejected(job.id, f"rank must be in 0..{ranks - 1}, got {arg.rank}"))
+        refused = inject_rejected(job, arg.rank)
+        if refused:
+            out.add(Rejected(job.id, refused))
             return None
+        gen = job.gen
         job.planned.append(arg)
         if gen is not None:
             out.add(Deliver(job.id, gen.addresses[arg.rank], arg))
@@ -229,6 +229,13 @@ def _resume(job: LiveJob, now: float, scheduled: bool, out: Outbox) -> Next:
     if job.state is not JobState.PREEMPTED:
         out.add(Rejected(job.id, resume_rejected(job.name, job.state)))
     return None
+
+
+def inject_rejected(job: LiveJob, rank: int) -> str:
+    """Why a fault cannot go to ``rank`` ("" when it can): the ranks the job runs with now,
+    else as many as it may have."""
+    ranks = job.gen.size if job.gen is not None else job.spec.bounds[1]
+    return "" if 0 <= rank < ranks else f"rank must be in 0..{ranks - 1}, got {rank}"
 
 
 def resume_rejected(name: str, state: JobState) -> str:

@@ -730,9 +730,12 @@ class JobMachine:
         job = self._jobs.get(ev.job_id)
         if job is None:
             return
-        if job.state.terminal:
-            if ev.what == "resume":
-                self._out.add(Rejected(job.id, jobflow.resume_rejected(job.name, job.state)))
+        if job.state.terminal:  # nothing to do, but say so for what cannot be done at all
+            refused = (jobflow.resume_rejected(job.name, job.state) if ev.what == "resume"
+                       else jobflow.inject_rejected(job, ev.arg.rank) if ev.what == "inject"
+                       else "")
+            if refused:
+                self._out.add(Rejected(job.id, refused))
             return
         if ev.what == "resize":
             self._request_resize(job, ev.arg)
