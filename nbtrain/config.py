@@ -8,13 +8,21 @@ below. Cluster operators can therefore configure nbtrain like Dask itself.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, fields
 from typing import Any
 
 import dask.config
 
-from nbtrain.core.checkpoint_policy import DEFAULT_COMMIT_TIMEOUT_S
+from nbtrain.core.checkpoint_policy import DEFAULT_COMMIT_TIMEOUT_S, DEFAULT_MTBF_S
+from nbtrain.core.lifecycle_types import JobPolicy, MachineConfig
+from nbtrain.core.sched_types import SchedulerConfig
+
+# Each component owns its defaults; Settings composes them (one definition per value).
+_POLICY = JobPolicy()
+_MACHINE = MachineConfig()
+_SCHED = SchedulerConfig()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,7 +30,7 @@ class Settings:
     """Tunables of the controller and the rank runtime (seconds unless named otherwise)."""
 
     #: How long ranks wait for rank 0's rendezvous store. Longer than a worker's cold start.
-    rendezvous_timeout_s: float = 60.0
+    rendezvous_timeout_s: float = _POLICY.rendezvous_timeout_s
     #: Timeout of one gloo/NCCL collective. Should be longer than the slowest step, or a
     #: slow-but-healthy step is reported as a failure.
     collective_timeout_s: float = 120.0
@@ -41,10 +49,10 @@ class Settings:
     #: After a rank fails on its own (an exception), how long its peers get to notice before
     #: the failed rank's worker is restarted. Peers blocked in a gloo collective only see the
     #: failure when the failed rank's connections close, and they close with its process.
-    peer_release_s: float = 0.3
+    peer_release_s: float = _POLICY.peer_release_s
     #: After the first rank fails, how long the other ranks get to exit before their tasks are
     #: cancelled and their workers restarted.
-    failure_grace_s: float = 10.0
+    failure_grace_s: float = _POLICY.failure_grace_s
     #: How often a rank on a GPU samples its GPU's health through NVML (clocks, throttle
     #: reasons, temperature, power, ECC, XID) for straggler verdicts; 0 = never. Needs
     #: nvidia-ml-py (``pip install nbtrain[gpu]``) on the workers.
@@ -68,32 +76,32 @@ class Settings:
     #: Longer than the slowest rank's write of one shard.
     checkpoint_commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S
     #: Mean time between failures of a job, for ``checkpoint="auto"`` (Young/Daly).
-    mtbf_s: float = 6 * 3600.0
+    mtbf_s: float = DEFAULT_MTBF_S
     #: Hang watchdog: a running job with no step progress for
     #: ``max(hang_factor x median step time, hang_floor_s, 2 x its longest step)`` seconds is
     #: looked at: the ranks' call stacks are read twice a few seconds apart, and only a rank
     #: whose stack did not move (outside a collective) is declared hung; ranks that are busy
     #: but slow are not. The floor should exceed the longest pause between steps (a
     #: checkpoint snapshot, an evaluation).
-    hang_factor: float = 20.0
-    hang_floor_s: float = 3.0
+    hang_factor: float = _POLICY.hang_factor
+    hang_floor_s: float = _POLICY.hang_floor_s
     #: Startup watchdog: the longest a rank may spend in its setup (a Recipe's ``setup``, a
     #: training function's code before its loop) and again in its first step, and in
     #: restoring a checkpoint. Longer than loading the data and the model on a busy machine.
-    setup_timeout_s: float = 600.0
-    restore_timeout_s: float = 600.0
+    setup_timeout_s: float = _POLICY.setup_timeout_s
+    restore_timeout_s: float = _POLICY.restore_timeout_s
     #: A host whose ranks fail this many times within ``host_failure_window_s`` is avoided
     #: (softly: used only when nothing else fits) for ``host_exclusion_s``.
-    host_failure_limit: int = 2
-    host_failure_window_s: float = 600.0
-    host_exclusion_s: float = 300.0
+    host_failure_limit: int = _MACHINE.host_failure_limit
+    host_failure_window_s: float = _MACHINE.host_failure_window_s
+    host_exclusion_s: float = _MACHINE.host_exclusion_s
 
     # -- the cluster's controller: read from the settings of the client that first
     # -- connects (or of the scheduler's process, with ``--preload nbtrain.engine.preload``)
     #: Time a job told to release its slots (preempted by a higher-priority job or its user)
     #: gets to checkpoint at a step boundary; after it the ranks are stopped and the job
     #: resumes from its last committed checkpoint. Longer than a step plus a checkpoint.
-    preempt_grace_s: float = 120.0
+    preempt_grace_s: float = _SCHED.preempt_grace_s
     #: An elastic job grows into idle slots (or back after a lost worker returns) at most
     #: this long after its last start or resize, so a worker that comes and goes cannot
     #: restart it over and over. Shrinks (a lost worker, a job that needs the slots) and the
@@ -127,7 +135,7 @@ class Settings:
     #: captured) a job may have; load big data inside the function instead.
     recipe_max_bytes: int = 32 * 1024 * 1024
     #: A worker restarted by nbtrain that has not come back after this long is reported lost.
-    worker_return_s: float = 120.0
+    worker_return_s: float = _MACHINE.worker_return_s
     #: How long the controller waits for a nanny to kill a worker it restarts.
     worker_restart_timeout_s: float = 30.0
 
@@ -154,6 +162,18 @@ class Settings:
     worker_nvlink: str = ""
     #: The leaf switch of this worker's host ("" = one switch for all).
     worker_leaf: str = ""
+
+    def __post_init__(self) -> None:
+        problems = [problem for f in fields(self)
+                    if (problem := _check(f.name, getattr(self, f.name), type(f.default)))
+                    is not None]
+        try:
+            self.team_weight_map()
+        except ValueError as exc:
+            problems.append(str(exc))
+        if problems:
+            raise ValueError("invalid nbtrain settings: " + "; ".join(problems) + " (set them "
+                             "in code, as NBTRAIN_<NAME> or as Dask config nbtrain.<name>)")
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
@@ -194,6 +214,28 @@ class Settings:
                 raise TypeError(f"unknown nbtrain setting {key!r}; known settings: {known}")
             values[key] = _coerce(key, value, type(values[key]))
         return cls(**values)
+
+
+#: Durations where 0 means "off".
+_ZERO_MEANS_OFF = frozenset({"device_sample_s"})
+#: Counts that may be 0 (``rank_threads``: 0 = the host's cores divided among its slots).
+_ZERO_ALLOWED = frozenset({"rank_threads"})
+
+
+def _check(name: str, value: Any, kind: type) -> str | None:
+    """What is wrong with one setting's value (None: nothing); ``kind``: its default's type."""
+    if kind in (bool, str) or name == "priority_ceiling":  # any integer priority
+        return None
+    if kind is int:
+        low = 0 if name in _ZERO_ALLOWED else 1
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+        return None if ok else f"{name} must be an integer >= {low}, got {value!r}"
+    unit = " seconds" if name.endswith("_s") else ""
+    if not isinstance(value, int | float) or isinstance(value, bool) or math.isnan(value):
+        return f"{name} must be a number{' of seconds' if unit else ''}, got {value!r}"
+    if name in _ZERO_MEANS_OFF:
+        return None if value >= 0 else f"{name} must be >= 0{unit} (0 = off), got {value!r}"
+    return None if value > 0 else f"{name} must be > 0{unit}, got {value!r}"
 
 
 def _coerce(name: str, value: Any, kind: type) -> Any:

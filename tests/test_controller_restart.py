@@ -239,3 +239,22 @@ def test_a_controller_on_thousands_of_ended_jobs_keeps_the_newest_in_memory(
         old = c.job("old-7")
         assert old.status is JobState.SUCCEEDED and old.id == f"{7:08x}"
         assert [e["state"] for e in old.events if e["kind"] == "state"] == ["SUCCEEDED"]
+
+
+def test_the_stimulus_log_replays_into_the_same_decisions() -> None:
+    """The events the live controller fed its machine, replayed into a fresh machine with the
+    same settings, give the same job statuses: the machine's decisions are a function of
+    them alone."""
+    from nbtrain.core.lifecycle import JobMachine
+
+    with nbtrain.connect(n_workers=2, gpus=False, settings=Settings.load(token_file="")) as c:
+        job = c.submit(Regression(), world_size=2, steps=30, checkpoint=10, name="replayed")
+        assert job.wait(120) is JobState.SUCCEEDED, job.reason
+        assert c._local is not None
+        ctl = c._local.scheduler.plugins["nbtrain"]
+        stimuli = list(ctl.stimuli)
+        assert len(stimuli) < ctl.stimuli.maxlen, "the log must hold the whole run here"
+        fresh = JobMachine(ctl.machine.config, ctl.machine.sched_config)
+        for event in stimuli:
+            fresh.handle(event)
+        assert fresh.status(job.id) == ctl.machine.status(job.id)

@@ -79,6 +79,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["RANK_TOPIC", "ClusterController", "JobAssets", "token_hash"]
 
+#: Events the controller keeps in its stimulus log.
+STIMULI_KEPT = 2_000
+
+
 def default_state_dir(address: str) -> Path:
     """``~/.nbtrain/state/<host>-<port>``: one directory per scheduler address, so a
     scheduler restarted at the same address finds its journal."""
@@ -130,6 +134,9 @@ class ClusterController(SchedulerPlugin):
         #: The same decisions' CPU time on the loop's thread, and what each event was: wall
         #: time minus CPU time is time the thread waited (the GIL, the OS scheduler).
         self.decision_cpu_s: deque[tuple[float, str]] = deque(maxlen=10_000)
+        #: The newest events fed to the machine, in order (its stimulus log, for debugging a
+        #: decision: replay them into a fresh machine; the journal keeps what must survive).
+        self.stimuli: deque[Event] = deque(maxlen=STIMULI_KEPT)
         self._client: Client | None = None
         self._client_ready = asyncio.Event()
         self.view_tickets: dict[str, ViewTicket] = {}
@@ -281,6 +288,7 @@ class ClusterController(SchedulerPlugin):
         Never raises: an exception inside the machine fails the one job the event concerns
         (its traceback as the cause) and the controller goes on; jobs whose state changed
         are journaled."""
+        self.stimuli.append(event)
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
             commands = self.machine.handle(event)

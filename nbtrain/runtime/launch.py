@@ -30,7 +30,7 @@ class CheckpointPlan:
 
     url: str  # this job's own checkpoint directory
     policy: CheckpointPolicyConfig
-    keep: int = 3
+    keep: int = Settings.checkpoint_keep
     restore_from: tuple[tuple[str, int | None], ...] = ()
     commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S
 
