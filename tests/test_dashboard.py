@@ -79,8 +79,8 @@ def patches(c: RecordingComm) -> int:
 
 def offline_handle(world_size: int, steps: int = 10_000) -> JobHandle:
     """A real JobHandle attached to no cluster, fed through the follower's own entry point
-    (``_apply``): for the bounded-memory checks, which need more steps than a test should
-    train."""
+    (``follow_update``): for the bounded-memory checks, which need more steps than a test
+    should train."""
     spec = JobSpec(job_id="offline0", name="offline", world_size=world_size, steps=steps)
     return JobHandle(spec, checkpoint_url="memory://offline",
                      status={"state": "RUNNING", "reason": "training"})
@@ -248,10 +248,28 @@ def test_fault_panel_calls_inject_with_the_chosen_fault(free_cluster: nbtrain.Cl
         job.wait(60)
 
 
+class RefusingController:
+    """What a handle calls on its cluster, answering every request as the controller's
+    machine answers a resume of a job that is not PREEMPTED."""
+
+    def credential(self, token: str) -> str:
+        return token
+
+    def follow(self, handle: object) -> None:
+        pass
+
+    def rpc(self, op: str, **kwargs: object) -> dict[str, object]:
+        if op == "nbtrain_follow":
+            return {"jobs": {}}
+        raise ValueError("job offline is RUNNING: only a PREEMPTED job can resume(); to "
+                         "continue an ended job submit it again with resume='latest'")
+
+
 def test_a_failing_control_is_shown_not_raised(comms: list[RecordingComm]) -> None:
     job = offline_handle(2)
+    job._cluster = RefusingController()  # type: ignore[assignment]
     dash = JobDashboard(job, start=False)
-    # resume() on a job that is not PREEMPTED raises ValueError in the handle
+    # resume() on a job that is not PREEMPTED raises ValueError (the controller judges)
     dash._act("resume", job.resume)
     assert "resume failed" in dash.message.value and "PREEMPTED" in dash.message.value
 
