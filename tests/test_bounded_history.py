@@ -123,3 +123,17 @@ def test_metrics_read_the_journal_for_rows_both_windows_dropped() -> None:
         assert "loss" in m.columns and m["loss"].notna().all()
         rows, end = job.rows_since(0)
         assert end == 400 and len(rows) == 400
+
+
+def test_a_failing_journal_write_never_leaves_a_waiter_hanging(tmp_path: Path) -> None:
+    """A batch the database refuses is counted and logged; the barriers queued with it are
+    answered and the writer thread lives on for the next batch."""
+    store = _store_with_job(tmp_path, "w1", "writes")
+    store.barrier().result(30)
+    store._put(lambda: ("INSERT INTO no_such_table VALUES (1)", ()))
+    store.barrier().result(30)  # would wait forever if the failure lost the barrier
+    assert store.write_errors == 1 and "no_such_table" in store.last_error
+    store.put_status("w1", {"state": "SUCCEEDED", "reason": "done"}, None)
+    store.barrier().result(30)
+    assert store.job("w1") is not None and store.job("w1").state == "SUCCEEDED"  # type: ignore[union-attr]
+    store.close()

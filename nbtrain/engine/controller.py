@@ -79,6 +79,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["RANK_TOPIC", "ClusterController", "JobAssets", "token_hash"]
 
+#: How long a handler or a launch waits for the journal's commit before it goes on.
+JOURNAL_WAIT_S = 30.0
 #: Events the controller keeps in its stimulus log.
 STIMULI_KEPT = 2_000
 
@@ -277,9 +279,19 @@ class ClusterController(SchedulerPlugin):
         carried = self.machine.carry(job_id) if status["state"] not in TERMINAL else None
         self.store.put_status(job_id, status, carried)  # serialised on the writer thread
 
-    async def journaled(self) -> None:
-        """Until everything journaled so far is on disk (without blocking the loop)."""
-        await asyncio.wrap_future(self.store.barrier())
+    async def journaled(self) -> bool:
+        """Until everything journaled so far is on disk (without blocking the loop); False
+        when the disk has not answered within ``JOURNAL_WAIT_S`` (logged: the controller
+        goes on, a job never stalls behind its journal)."""
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(self.store.barrier()), JOURNAL_WAIT_S)
+        except TimeoutError:
+            logger.warning("nbtrain controller: the journal in %s did not commit within %.0f s "
+                           "(%d write errors, last: %s); going on without waiting",
+                           self.store.dir, JOURNAL_WAIT_S, self.store.write_errors,
+                           self.store.last_error or "none")
+            return False
+        return True
 
     # ================================================================== feeding the machine
     def feed(self, event: Event) -> list[Command]:

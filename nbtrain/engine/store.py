@@ -234,31 +234,38 @@ class ControllerStore:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            barriers: list[concurrent.futures.Future[None]] = []
-            stop = False
+            # Barriers are answered whatever happens to the batch: a handler waiting on one
+            # must never wait forever.
+            barriers = [item[1] for item in batch if item is not None and item[0] == "barrier"]
             try:
-                self._conn.execute("BEGIN")
-                for item in batch:
-                    if item is None:
-                        stop = True
-                    elif item[0] == "barrier":
-                        barriers.append(item[1])
-                    else:
-                        self._write_one(item)
-                self._conn.execute("COMMIT")
-                self.commits += 1
-            except Exception as exc:  # the disk is full, the directory went away, ...
-                self.write_errors += 1
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                logger.exception("nbtrain store: a journal write failed")
-                if self._conn.in_transaction:
-                    self._conn.execute("ROLLBACK")
-            for fut in barriers:
-                if not fut.done():
-                    fut.set_result(None)
-            if stop:
+                self._commit([item for item in batch
+                              if item is not None and item[0] != "barrier"])
+            finally:
+                for fut in barriers:
+                    if not fut.done():
+                        fut.set_result(None)
+            if None in batch:
                 self._conn.close()
                 return
+
+    def _commit(self, writes: list[tuple[Any, ...]]) -> None:
+        """One transaction of ``writes``; a failure is logged and counted, never raised (the
+        writer thread must live on)."""
+        try:
+            self._conn.execute("BEGIN")
+            for item in writes:
+                self._write_one(item)
+            self._conn.execute("COMMIT")
+            self.commits += 1
+        except Exception as exc:  # the disk is full, the directory went away, ...
+            self.write_errors += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            logger.exception("nbtrain store: a journal write failed")
+            try:
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+            except Exception:
+                logger.exception("nbtrain store: rolling back failed")
 
     def _write_one(self, item: tuple[Any, ...]) -> None:
         """One queued write; a bad one is logged and skipped, the batch goes on."""
