@@ -137,3 +137,13 @@ def test_a_failing_journal_write_never_leaves_a_waiter_hanging(tmp_path: Path) -
     store.barrier().result(30)
     assert store.job("w1") is not None and store.job("w1").state == "SUCCEEDED"  # type: ignore[union-attr]
     store.close()
+
+
+def test_a_rejected_submission_leaves_nothing_in_the_journal(tmp_path: Path) -> None:
+    store = _store_with_job(tmp_path, "r9", "rejected")
+    store.add_history("events", "r9", 0, [{"kind": "state", "state": "QUEUED", "time": 1.0}])
+    store.drop_job("r9")
+    store.barrier().result(30)
+    assert store.job("r9") is None and store.ends("r9") == {"events": 0, "rows": 0,
+                                                             "output": 0}
+    store.close()

@@ -21,6 +21,7 @@ or at start-up. The store never unpickles anything.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import logging
 import queue
@@ -91,6 +92,10 @@ class StoredJob:
     status: dict[str, Any]
     carried: dict[str, Any] | None
     ends: dict[str, int]  # history table -> its end position (next position to write)
+
+
+def _delete_history(table: str, job_id: str) -> tuple[str, tuple[Any, ...]]:
+    return f"DELETE FROM {table} WHERE job_id = ?", (job_id,)
 
 
 def _connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
@@ -173,8 +178,10 @@ class ControllerStore:
              _dumps(status))))
 
     def drop_job(self, job_id: str) -> None:
-        """A submission the machine rejected: it never was a job."""
+        """A submission the machine rejected: it never was a job (nor its first events)."""
         self._put(lambda: ("DELETE FROM jobs WHERE job_id = ?", (job_id,)))
+        for table in HISTORY:
+            self._put(functools.partial(_delete_history, table, job_id))
 
     def put_status(self, job_id: str, status: Mapping[str, Any], carried: Any) -> None:
         """The job's status and ``carried`` (a ``CarriedHistory`` or its plain dict, None for
