@@ -236,6 +236,10 @@ def test_a_controller_on_thousands_of_ended_jobs_keeps_the_newest_in_memory(
         assert [j.name for j in listed] == [f"old-{i}" for i in range(2_950, 3_000)]
         restored = [e for e in c.snapshot()["log"] if e["kind"] == "restored"]
         assert restored and restored[-1]["jobs"] == 50 and restored[-1]["live"] == 0
+        followed = c.rpc("nbtrain_follow", cursors={f"{9:08x}": [0, 0, 0]}, timeout=0)
+        update = followed["jobs"][f"{9:08x}"]
+        assert "gone" not in update and update["status"]["state"] == "SUCCEEDED"
+        assert [e["state"] for e in update["events"]] == ["SUCCEEDED"]
         old = c.job("old-7")
         assert old.status is JobState.SUCCEEDED and old.id == f"{7:08x}"
         assert [e["state"] for e in old.events if e["kind"] == "state"] == ["SUCCEEDED"]

@@ -211,6 +211,10 @@ async def follow(ctl: ClusterController, *, cursors: Mapping[str, list[int]],
     out: dict[str, Any] = {}
     for jid, cursor in cursors.items():
         assets = ctl.assets.get(jid)
+        if assets is None:  # an ended job no longer in memory: read it back
+            stored = await asyncio.to_thread(ctl.store.job, str(jid))
+            if stored is not None and stored.job_id == jid:
+                assets = ctl.archive(stored)
         status = ctl.job_status(jid) if assets is not None else None
         if assets is None or status is None:
             out[jid] = {"gone": True}

@@ -544,10 +544,13 @@ class JobHandle:
         """(for the cluster's follower) Take what the controller sent: rows, events and
         output after our positions, and the status."""
         if update.get("gone"):
+            # Neither in its memory nor in its journal: say so, and invent no end state.
             with self._lock:
-                if not JobState(self._status.get("state", "QUEUED")).terminal:
-                    self._status["state"] = JobState.CANCELLED.value
-                    self._status["reason"] = "the controller no longer knows this job"
+                state = self._status.get("state", "QUEUED")
+                if not JobState(state).terminal:
+                    self._status["reason"] = (
+                        f"the controller does not know this job (was it started again on "
+                        f"another state directory?); last known: {state}")
             self._done.set()
             return
         new_events: list[dict[str, Any]] = []
