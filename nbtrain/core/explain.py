@@ -10,12 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from nbtrain.core.job import JobState
 from nbtrain.core.jobevents import fault_event
 from nbtrain.core.jobrecord import Generation, primary_failure
 from nbtrain.core.watchdog import Hang
 
 __all__ = ["LOST", "describe_fault", "fault_list", "gpu_shared_reason", "labels_refused_reason",
            "queue_head_reason", "rejected_reason", "resize_rejected", "restart_budget",
+           "resume_rejected",
            "slot_lost_reason", "unit"]
 
 #: The fault kind of a rank whose worker went away.
@@ -153,3 +155,9 @@ def _hang_cause(hang: Hang, rank: int | None, told_apart: bool) -> tuple[str, st
         error = f"no step progress for {hang.silent_s:.1f} s (limit {hang.limit_s:.1f} s)"
     who = "" if told_apart else "; no rank could be told apart: every rank's worker was restarted"
     return error, f"{error} = {hang.why}; {hang.evidence}{who}"
+
+
+def resume_rejected(name: str, state: JobState) -> str:
+    """Why a job in ``state`` cannot ``resume()``, and what to do instead."""
+    return (f"job {name} is {state.value}: only a PREEMPTED job can resume(); to continue "
+            "an ended job submit it again with resume='latest'")

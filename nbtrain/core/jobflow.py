@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nbtrain.core.explain import fault_list, restart_budget
+from nbtrain.core.explain import fault_list, restart_budget, resume_rejected
 from nbtrain.core.job import JobState
 from nbtrain.core.jobevents import preemption_event, resize_event
 from nbtrain.core.jobrecord import CONTROLLER_RESTARTED, Generation, LiveJob, Preemption
@@ -238,9 +238,7 @@ def inject_rejected(job: LiveJob, rank: int) -> str:
     return "" if 0 <= rank < ranks else f"rank must be in 0..{ranks - 1}, got {rank}"
 
 
-def resume_rejected(name: str, state: JobState) -> str:
-    return (f"job {name} is {state.value}: only a PREEMPTED job can resume(); to continue "
-            "an ended job submit it again with resume='latest'")
+
 
 
 # ====================================================================== a generation ended

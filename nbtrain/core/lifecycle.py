@@ -50,6 +50,7 @@ from nbtrain.core.explain import (
     queue_head_reason,
     rejected_reason,
     resize_rejected,
+    resume_rejected,
     slot_lost_reason,
     unit,
 )
@@ -731,7 +732,7 @@ class JobMachine:
         if job is None:
             return
         if job.state.terminal:  # nothing to do, but say so for what cannot be done at all
-            refused = (jobflow.resume_rejected(job.name, job.state) if ev.what == "resume"
+            refused = (resume_rejected(job.name, job.state) if ev.what == "resume"
                        else jobflow.inject_rejected(job, ev.arg.rank) if ev.what == "inject"
                        else "")
             if refused:

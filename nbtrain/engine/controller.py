@@ -271,10 +271,13 @@ class ClusterController(SchedulerPlugin):
             on_error=lambda message: self.publish_from_thread(
                 jid, {"kind": "tracker", "error": message}))
 
-    def journal_status(self, job_id: str) -> None:
-        """Journal a job's status and what a restarted controller needs to continue it."""
+    def journal_status(self, job_id: str, *, live_only: bool = False) -> None:
+        """Journal a job's status and what a restarted controller needs to continue it
+        (``live_only``: nothing for an ended job)."""
         status = self.job_status(job_id)
         if status is None or job_id not in self.assets or self.assets[job_id].final:
+            return
+        if live_only and status["state"] in TERMINAL:
             return
         carried = self.machine.carry(job_id) if status["state"] not in TERMINAL else None
         self.store.put_status(job_id, status, carried)  # serialised on the writer thread
@@ -438,8 +441,7 @@ class ClusterController(SchedulerPlugin):
                 if now - self._last_journal >= self.settings.journal_interval_s:
                     self._last_journal = now
                     for job_id in self.machine.job_ids():
-                        if self.machine.status(job_id).state not in TERMINAL:
-                            self.journal_status(job_id)
+                        self.journal_status(job_id, live_only=True)  # their step progress
             except Exception:  # the clock must keep going for every other job
                 logger.exception("nbtrain controller: a tick failed")
 

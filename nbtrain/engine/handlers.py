@@ -21,7 +21,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from nbtrain.config import Settings
+from nbtrain.core.explain import resume_rejected
 from nbtrain.core.faults import Fault
+from nbtrain.core.job import JobState
 from nbtrain.core.lifecycle_types import Rejected, Request, Submitted
 from nbtrain.engine.joblog import JobLog
 from nbtrain.engine.wire import error_reply, submission_from_wire
@@ -166,9 +168,7 @@ def apply_request(ctl: ClusterController, job_id: str, what: str, arg: Any = Non
     status = _known(ctl, job_id)
     if ctl.assets[job_id].final is not None:  # ended before this controller started
         if what == "resume":
-            raise ValueError(f"job {status['name']} is {status['state']}: only a PREEMPTED "
-                             "job can resume(); to continue an ended job submit it again "
-                             "with resume='latest'")
+            raise ValueError(resume_rejected(str(status["name"]), JobState(status["state"])))
         return status
     # Parsed here; judged (the rank's bound, whether the job may resume) by the machine.
     if what == "inject":

@@ -18,7 +18,7 @@ import pandas as pd
 from nbtrain.core.job import JobSpec
 from nbtrain.engine.store import open_readonly, read_history, read_job, read_jobs
 
-__all__ = ["RunRecord", "list_runs", "load_run"]
+__all__ = ["RunRecord", "load_run"]
 
 
 @dataclass(frozen=True)
@@ -101,12 +101,6 @@ def load_run(state_dir: str | Path, key: str) -> RunRecord:
                      spec=submission_from_wire(stored.submission).spec, status=stored.status,
                      checkpoint_url=stored.checkpoint_url, events=history["events"],
                      output=history["output"], _rows=history["rows"])
-
-
-def list_runs(state_dir: str | Path) -> list[dict[str, Any]]:
-    """Every job in a state directory, oldest first: its status (as ``cluster.jobs``)."""
-    with closing(open_readonly(Path(state_dir).expanduser())) as conn:
-        return [j.status for j in read_jobs(conn)]
 
 
 def _all(conn: Any, table: str, job_id: str) -> list[Any]:

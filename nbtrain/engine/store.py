@@ -300,12 +300,11 @@ class ControllerStore:
         self._conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
                            (key, value))
 
-    def jobs(self, *, live_only: bool = False, newest_ended: int | None = None
-             ) -> list[StoredJob]:
+    def jobs(self, *, newest_ended: int | None = None) -> list[StoredJob]:
         """Jobs in submit order: every live one, and the newest ``newest_ended`` ended ones
         (all of them when None)."""
         with self._read_lock:
-            return read_jobs(self._reader, live_only=live_only, newest_ended=newest_ended)
+            return read_jobs(self._reader, newest_ended=newest_ended)
 
     def job(self, key: str) -> StoredJob | None:
         """A job by id, or the newest of that name."""
@@ -328,14 +327,6 @@ class ControllerStore:
         """The end position of each history table of a job."""
         with self._read_lock:
             return _ends(self._reader, job_id)
-
-    def ended_count(self) -> int:
-        with self._read_lock:
-            row = self._reader.execute(
-                "SELECT COUNT(*) FROM jobs WHERE state IN "
-                "('SUCCEEDED', 'FAILED', 'CANCELLED')").fetchone()
-        return int(row[0])
-
 
 # ====================================================================== reading a directory
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
@@ -363,27 +354,24 @@ def _ends(conn: sqlite3.Connection, job_id: str) -> dict[str, int]:
     return out
 
 
-def _stored(conn: sqlite3.Connection, row: Sequence[Any], with_ends: bool = True
-            ) -> StoredJob:
+def _stored(conn: sqlite3.Connection, row: Sequence[Any]) -> StoredJob:
     return StoredJob(
         job_id=row[0], seq=int(row[1]), name=row[2], submission=json.loads(row[3]),
         recipe=bytes(row[4]), settings=json.loads(row[5]), checkpoint_url=row[6],
         restore=None if row[7] is None else json.loads(row[7]), token_hash=row[8],
         trackers=None if row[9] is None else json.loads(row[9]), state=row[10],
         status=json.loads(row[11]), carried=None if row[12] is None else json.loads(row[12]),
-        ends=_ends(conn, row[0]) if with_ends else {})
+        ends=_ends(conn, row[0]))
 
 
-def read_jobs(conn: sqlite3.Connection, *, live_only: bool = False,
-              newest_ended: int | None = None) -> list[StoredJob]:
+def read_jobs(conn: sqlite3.Connection, *, newest_ended: int | None = None
+              ) -> list[StoredJob]:
     t0 = time.perf_counter()
-    live = conn.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE state NOT IN "
+    rows = conn.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE state NOT IN "
                         f"{TERMINAL} ORDER BY seq").fetchall()
-    rows = list(live)
-    if not live_only:
-        limit = -1 if newest_ended is None else max(0, int(newest_ended))
-        rows += conn.execute(f"SELECT {_JOB_COLUMNS} FROM (SELECT * FROM jobs WHERE state IN "
-                             f"{TERMINAL} ORDER BY seq DESC LIMIT ?)", (limit,)).fetchall()
+    limit = -1 if newest_ended is None else max(0, int(newest_ended))
+    rows += conn.execute(f"SELECT {_JOB_COLUMNS} FROM (SELECT * FROM jobs WHERE state IN "
+                         f"{TERMINAL} ORDER BY seq DESC LIMIT ?)", (limit,)).fetchall()
     out = sorted((_stored(conn, r) for r in rows), key=lambda j: j.seq)
     logger.debug("nbtrain store: read %d jobs in %.3f s", len(out), time.perf_counter() - t0)
     return out
