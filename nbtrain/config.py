@@ -136,6 +136,9 @@ class Settings:
     recipe_max_bytes: int = 32 * 1024 * 1024
     #: A worker restarted by nbtrain that has not come back after this long is reported lost.
     worker_return_s: float = _MACHINE.worker_return_s
+    #: A slot offline this long that no job holds (a departed host's) is forgotten, so the
+    #: controller's book of slots stays the size of what was recently there.
+    slot_forget_s: float = _MACHINE.slot_forget_s
     #: How long the controller waits for a nanny to kill a worker it restarts.
     worker_restart_timeout_s: float = 30.0
 

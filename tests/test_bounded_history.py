@@ -147,3 +147,39 @@ def test_a_rejected_submission_leaves_nothing_in_the_journal(tmp_path: Path) -> 
     assert store.job("r9") is None and store.ends("r9") == {"events": 0, "rows": 0,
                                                              "output": 0}
     store.close()
+
+
+def test_slots_of_departed_hosts_are_forgotten_and_the_jobs_go_on() -> None:
+    """Hosts that come and go under new names (autoscaled pods): the book of slots and the
+    gang scheduler's topology keep what was recently there, a running job keeps its slots
+    through every forgetting, and new jobs still start on new hosts."""
+    from nbtrain.core.lifecycle_types import Publish, WorkerLeft
+    from tests.test_lifecycle import Harness
+
+    h = Harness(workers=0, slot_forget_s=60.0)
+    stay = [h.join(host="stay"), h.join(host="stay")]
+    h.submit("long", world_size=2)
+    [launch] = h.launches("long")
+    assert set(launch.addresses) == set(stay)
+    h.steps("long", 0, 5)
+    pods_seen = 0
+    for i in range(120):  # a new pod every 10 s for 20 minutes, each gone after 10 s
+        address = h.join(host=f"pod-{i}")
+        pods_seen += 1
+        h.advance(10.0)
+        h.feed(WorkerLeft, address)
+        h.advance(1.5)
+        in_book = len(h.m.inventory.records())
+        assert in_book <= 2 + 60 / 11.5 + 2, in_book  # "stay"'s two and the last minute's
+        sched_slots = set(h.m.sched.owner_map())  # type: ignore[union-attr]
+        assert sched_slots == {r.slot for r in h.m.inventory.records()}
+    assert h.state("long") == "RUNNING"
+    assert h.m.sched.owner_map()["stay#0"] == "long"  # type: ignore[union-attr]
+    forgotten = [c.event for c in h.of(Publish)
+                 if c.job_id is None and c.event.get("what") == "forgotten"]
+    assert len(forgotten) >= pods_seen - 8  # all but the last minute's
+    assert "slot_forget_s" in forgotten[0]["reason"]
+    # A job that needs a new host still starts there.
+    pod = [h.join(host="late"), h.join(host="late")]
+    h.submit("late", world_size=2)
+    assert set(h.launches("late")[-1].addresses) == set(pod)

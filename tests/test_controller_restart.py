@@ -58,6 +58,30 @@ def test_scheduler_killed_while_training_the_job_resumes_exactly(tmp_path: Path)
 
 
 @pytest.mark.slow
+def test_scheduler_killed_while_checkpoints_commit_loses_no_committed_step(
+        tmp_path: Path) -> None:
+    """A checkpoint every step, so the kill lands inside a commit or next to one: the resumed
+    job starts at or after the newest checkpoint committed on disk at the kill (none lost, a
+    half-written one never used) and ends with the uninterrupted run's parameters."""
+    from nbtrain.runtime.storage import CheckpointStore
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with standalone_cluster(2, logs=tmp_path / "logs", supervise=True) as cc, \
+            _connect(cc.address, tmp_path / "tokens.json") as c:
+        job = c.submit(Regression(out_dir=str(out), step_sleep=0.01), world_size=2,
+                       steps=150, checkpoint=1, name="committing")
+        wait_for(lambda: job.step >= 40, 180, "the job training")
+        cc.kill_scheduler()
+        on_disk = max(CheckpointStore(job.checkpoint_dir).committed(), default=0)
+        assert on_disk >= 30, on_disk
+        assert job.wait(300) is JobState.SUCCEEDED, job.reason
+        [restart] = [f for f in job.faults if f["what"] == "controller"]
+        assert restart["resume_step"] >= on_disk, (restart, on_disk)
+        assert_params_equal(out, single_process_params(150))
+
+
+@pytest.mark.slow
 def test_queue_order_held_jobs_and_ownership_survive_a_restart(tmp_path: Path) -> None:
     """A full cluster with three jobs queued behind it and one held: after the kill the
     running job resumes, the queued ones start in their order, the held one stays held until

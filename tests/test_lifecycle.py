@@ -44,8 +44,9 @@ class Harness:
     """A machine, a hand-driven clock, and everything it said."""
 
     def __init__(self, workers: int = 2, *, grace_s: float = 30.0, hosts: int = 1,
-                 worker_return_s: float = 120.0) -> None:
-        self.m = JobMachine(MachineConfig(worker_return_s=worker_return_s),
+                 worker_return_s: float = 120.0, slot_forget_s: float = 3600.0) -> None:
+        self.m = JobMachine(MachineConfig(worker_return_s=worker_return_s,
+                                          slot_forget_s=slot_forget_s),
                             SchedulerConfig(preempt_grace_s=grace_s))
         self.t = 100.0
         self.out: list[Command] = []

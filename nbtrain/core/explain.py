@@ -18,7 +18,7 @@ from nbtrain.core.watchdog import Hang
 __all__ = ["LOST", "describe_fault", "fault_list", "gpu_shared_reason", "labels_refused_reason",
            "queue_head_reason", "rejected_reason", "resize_rejected", "restart_budget",
            "resume_rejected",
-           "slot_lost_reason", "unit"]
+           "slot_forgotten_reason", "slot_lost_reason", "unit"]
 
 #: The fault kind of a rank whose worker went away.
 LOST = "worker died"
@@ -92,6 +92,12 @@ def labels_refused_reason(nvlink: str, leaf: str, problem: str) -> str:
     """Why a worker whose topology labels do not fit the cluster's is kept out."""
     return (f"its labels (NVLink domain {nvlink!r}, leaf {leaf!r}) do not fit the cluster's "
             f"topology: {problem}")
+
+
+def slot_forgotten_reason(slot_forget_s: float) -> str:
+    """Why a departed host's slot left the controller's book."""
+    return (f"offline for more than {slot_forget_s:.0f} s with no job on it (slot_forget_s): "
+            "forgotten; a worker that joins on its host later gets a slot again")
 
 
 def slot_lost_reason(worker_return_s: float) -> str:

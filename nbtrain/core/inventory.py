@@ -87,6 +87,17 @@ class Inventory:
         record.address = None
         return record
 
+    def forget(self, slot: str) -> SlotRecord:
+        """Drop an offline slot for good (a departed host's); a host left with no slot is
+        forgotten too, so a worker that joins there later starts its numbering again."""
+        record = self._slots[slot]
+        if record.address is not None:
+            raise ValueError(f"slot {slot} has a worker ({record.address}): it is not departed")
+        del self._slots[slot]
+        if not any(r.host == record.host for r in self._slots.values()):
+            self._per_host.pop(record.host, None)
+        return record
+
     def slot_of(self, address: str) -> str | None:
         return self._by_address.get(address)
 

@@ -405,14 +405,18 @@ class JobBook:
         return j.size * (self.now - last + self.config.restart_cost_s)
 
     def _retopologize(self, topo: Topology) -> None:
+        """Move to ``topo``: slots it adds are free, slots it drops must be unowned."""
         old_ids = self.topo.slot_ids
         owner = np.full(topo.n_slots, FREE, dtype=np.int64)
         gone = np.zeros(topo.n_slots, dtype=bool)
-        new_pos = topo.indices(list(old_ids))
-        owner[new_pos] = self._state.owner
-        gone[new_pos] = self._state.gone
+        kept = np.array([i for i, s in enumerate(old_ids) if s in topo.index], dtype=np.int64)
+        new_pos = np.full(len(old_ids), -1, dtype=np.int64)
+        new_pos[kept] = topo.indices([old_ids[i] for i in kept.tolist()])
+        owner[new_pos[kept]] = self._state.owner[kept]
+        gone[new_pos[kept]] = self._state.gone[kept]
         for j in self._active.values():  # the only jobs holding slots
             j.idx = new_pos[j.idx]
+            assert (j.idx >= 0).all(), f"{j.req.job_id} held a slot the topology dropped"
         self.topo = topo
         self._state = SlotState(topo, owner)
         self._state.gone = gone

@@ -51,6 +51,7 @@ from nbtrain.core.explain import (
     rejected_reason,
     resize_rejected,
     resume_rejected,
+    slot_forgotten_reason,
     slot_lost_reason,
     unit,
 )
@@ -123,7 +124,7 @@ class JobMachine:
         self.config = config or MachineConfig()
         self.sched_config = replace(scheduler or SchedulerConfig(), can_grow=True)
         self.sched: DevicePools | None = None  # made when the first worker joins
-        self.book = SlotBook(self.config.worker_return_s)
+        self.book = SlotBook(self.config.worker_return_s, self.config.slot_forget_s)
         self.inventory = self.book.inventory
         self.health = HostHealth(self.config.host_failure_limit,
                                  self.config.host_failure_window_s, self.config.host_exclusion_s)
@@ -476,7 +477,7 @@ class JobMachine:
     def _take_offline(self, slots: Iterable[str]) -> None:
         if self.sched is None:
             return
-        new = self.book.take_offline(slots)
+        new = self.book.take_offline(slots, self.now)
         if new:
             self._sched(WorkersRemoved(self.now, new))
 
@@ -565,6 +566,12 @@ class JobMachine:
         if self.sched is not None and self.now - self._last_sched_tick >= (
                 self.config.scheduler_tick_s):
             self._last_sched_tick = self.now
+            held = {s for job in self._live.values() if job.gen for s in job.gen.slots}
+            for rec in self.book.forget_departed(self.now, held, self._sched,
+                                                 self.sched.has_slot):
+                self._out.publish_cluster({"kind": "worker", "what": "forgotten",
+                                           "slot": rec.slot, "host": rec.host,
+                                           "reason": slot_forgotten_reason(self.book.forget_s)})
             self._sched(SchedTick(self.now))
 
     def _tick_job(self, job: LiveJob, gen: Generation) -> None:

@@ -132,6 +132,8 @@ class MachineConfig:
     scheduler_tick_s: float = 1.0
     #: A worker asked to restart that has not come back after this long is reported lost.
     worker_return_s: float = 120.0
+    #: A slot offline this long that no job holds is forgotten (a departed host's).
+    slot_forget_s: float = 3600.0
 
 
 @dataclass(frozen=True)

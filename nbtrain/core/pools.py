@@ -34,6 +34,7 @@ from nbtrain.core.sched_types import (
     Suspend,
     Tick,
     WorkersAdded,
+    WorkersForgotten,
     WorkersRemoved,
 )
 from nbtrain.core.scheduler import Scheduler
@@ -68,7 +69,7 @@ class DevicePools:
         """Apply one event to the pool(s) it concerns; their decisions, in order."""
         if isinstance(event, WorkersAdded):
             return self._workers_added(event)
-        if isinstance(event, WorkersRemoved):
+        if isinstance(event, WorkersRemoved | WorkersForgotten):
             out: list[Decision] = []
             for kind, pool in self.pools.items():
                 mine = tuple(s for s in event.slots if self.slot_kind(s) == kind)
@@ -171,6 +172,10 @@ class DevicePools:
     @property
     def n_online(self) -> int:
         return sum(p.n_online for p in self.pools.values())
+
+    def has_slot(self, slot: Hashable) -> bool:
+        """Whether any pool's topology has ``slot`` (online or not)."""
+        return any(p.has_slot(slot) for p in self.pools.values())
 
     def free_slot_ids(self, kind: str | None = None) -> list[Hashable]:
         """Free slots (of ``kind`` only, when given)."""

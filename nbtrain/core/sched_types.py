@@ -33,6 +33,7 @@ __all__ = [
     "Suspend",
     "Tick",
     "WorkersAdded",
+    "WorkersForgotten",
     "WorkersRemoved",
 ]
 
@@ -198,6 +199,15 @@ class WorkersRemoved:
 
 
 @dataclass(frozen=True)
+class WorkersForgotten:
+    """Slots gone for good (a departed host's, offline for longer than the engine keeps
+    them): the topology drops those that are offline and unowned, never its last slot."""
+
+    now: float
+    slots: tuple[Hashable, ...]
+
+
+@dataclass(frozen=True)
 class Tick:
     """Time passed; lets waiting-time and fair-share order advance with no other event."""
 
@@ -206,7 +216,7 @@ class Tick:
 
 Event = (
     Submit | Finished | Failed | Released | Checkpointed | Cancelled | Suspend | Resume
-    | ResizeRequested | WorkersAdded | WorkersRemoved | Tick
+    | ResizeRequested | WorkersAdded | WorkersRemoved | WorkersForgotten | Tick
 )
 
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 
 import numpy as np
 import numpy.typing as npt
@@ -67,9 +67,10 @@ from nbtrain.core.sched_types import (
     Suspend,
     Tick,
     WorkersAdded,
+    WorkersForgotten,
     WorkersRemoved,
 )
-from nbtrain.core.slotstate import FREE, SlotState
+from nbtrain.core.slotstate import FREE, OFFLINE, SlotState
 
 __all__ = ["JobView", "Scheduler"]
 
@@ -118,6 +119,8 @@ class Scheduler(JobBook):
             self._workers_added(ev)
         elif isinstance(ev, WorkersRemoved):
             self._workers_removed(ev, out)
+        elif isinstance(ev, WorkersForgotten):
+            self._workers_forgotten(ev)
         elif not isinstance(ev, Tick):
             raise TypeError(f"unknown event {ev!r}; see nbtrain.core.sched_types.Event")
 
@@ -206,6 +209,19 @@ class Scheduler(JobBook):
                                                     leaf_of=ev.leaf_of))
         known = [s for slots in ev.hosts.values() for s in slots]
         self._state.set_online(self.topo.indices(known))
+
+    def has_slot(self, slot: Hashable) -> bool:
+        """Whether the topology has ``slot`` (online or not)."""
+        return slot in self.topo.index
+
+    def _workers_forgotten(self, ev: WorkersForgotten) -> None:
+        known = [s for s in ev.slots if s in self.topo.index]
+        idx = self.topo.indices(known)
+        ok = self._state.owner[idx] == OFFLINE  # offline and nobody's
+        drop = [s for s, fine in zip(known, ok.tolist(), strict=True) if fine]
+        if not drop or len(drop) >= self.topo.n_slots:
+            return
+        self._retopologize(self.topo.without_slots(drop))
 
     def _workers_removed(self, ev: WorkersRemoved, out: list[Decision]) -> None:
         idx = self.topo.indices([s for s in ev.slots if s in self.topo.index])

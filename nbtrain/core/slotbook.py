@@ -5,16 +5,20 @@ id while its workers come and go). The gang scheduler must never offer a slot wi
 worker, so the book remembers which slots it has been told are *offline* (their worker left,
 or was asked to restart) and which wait for a worker asked to *restart*: a slot whose new
 worker does not join within ``worker_return_s`` is reported lost (the cluster has one slot
-fewer until a worker joins on that host). Time is passed in; nothing here reads a clock.
+fewer until a worker joins on that host). A slot offline for longer than ``forget_s`` that no
+job holds is forgotten (:meth:`SlotBook.departed`): on a cluster whose hosts come and go under
+new names (autoscaled pods, cloud nodes) the book stays the size of what was recently there.
+Time is passed in; nothing here reads a clock.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
 from nbtrain.core.inventory import Inventory, SlotRecord, WorkerInfo
 from nbtrain.core.pools import CPU, GPU
+from nbtrain.core.sched_types import WorkersForgotten
 
 __all__ = ["SlotBook", "SlotView"]
 
@@ -28,10 +32,13 @@ class SlotView(dict[str, Any]):
 class SlotBook:
     """Slots, their workers, and the slots offline or waiting for a restarted worker."""
 
-    def __init__(self, worker_return_s: float) -> None:
+    def __init__(self, worker_return_s: float, forget_s: float = float("inf")) -> None:
         self.inventory = Inventory()
         self.worker_return_s = worker_return_s
-        self._offline: set[str] = set()  # slots the scheduler has been told are offline
+        self.forget_s = forget_s
+        #: Slots the scheduler has been told are offline, and since when (None: not known,
+        #: e.g. refused at join: counted from the next check).
+        self._offline: dict[str, float | None] = {}
         self._restarting: dict[str, float] = {}  # slot -> when its worker's restart was asked
 
     # ------------------------------------------------------------------ workers
@@ -47,23 +54,53 @@ class SlotBook:
         caller tells the scheduler)."""
         rec = self.inventory.join(worker)
         self._restarting.pop(rec.slot, None)
-        self._offline.discard(rec.slot)
+        self._offline.pop(rec.slot, None)
         return rec
 
     def refuse(self, address: str, slot: str) -> None:
         """A worker that joined was kept out after all (the scheduler refused its labels)."""
         self.inventory.leave(address)
-        self._offline.add(slot)
+        self._offline.setdefault(slot, None)
 
     def leave(self, address: str) -> SlotRecord | None:
         """A worker left: its slot (None for an unknown address); see :meth:`take_offline`."""
         return self.inventory.leave(address)
 
-    def take_offline(self, slots: Iterable[str]) -> tuple[str, ...]:
+    def take_offline(self, slots: Iterable[str], now: float) -> tuple[str, ...]:
         """Mark slots offline; the ones the scheduler has not been told about yet."""
         new = tuple(s for s in slots if s not in self._offline)
-        self._offline.update(new)
+        self._offline.update(dict.fromkeys(new, now))
         return new
+
+    def departed(self, now: float, held: set[str]) -> list[str]:
+        """Slots offline for longer than ``forget_s``, with no worker, no restart asked and
+        not in ``held``: for the caller to tell the scheduler, then :meth:`forget`."""
+        out: list[str] = []
+        for slot, since in list(self._offline.items()):
+            if since is None:
+                self._offline[slot] = now
+            elif (now - since > self.forget_s and slot not in held
+                  and slot not in self._restarting
+                  and self.inventory.address_of(slot) is None):
+                out.append(slot)
+        return out
+
+    def forget_departed(self, now: float, held: set[str],
+                        tell: Callable[[WorkersForgotten], object],
+                        has_slot: Callable[[str], bool]) -> list[SlotRecord]:
+        """Forget the :meth:`departed` slots: ``tell`` the scheduler, then drop those its
+        topology let go (``has_slot`` False; one it keeps, e.g. a pool's last slot, stays
+        for a later try); their records."""
+        departed = self.departed(now, held)
+        if not departed:
+            return []
+        tell(WorkersForgotten(now, tuple(departed)))
+        gone = []
+        for slot in departed:
+            if not has_slot(slot):
+                del self._offline[slot]
+                gone.append(self.inventory.forget(slot))
+        return gone
 
     def restart(self, addresses: Iterable[str], now: float) -> tuple[list[str], list[str]]:
         """Workers asked to restart: (their addresses, their slots), leaving out unknown

@@ -28,7 +28,7 @@ Two constructors:
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -316,6 +316,21 @@ class Topology:
             merged, leaf_of={**self._origin.leaf_of, **(leaf_of or {})},
             pod_of=self._origin.pod_of,
             nvlink_of={**self._origin.nvlink_of, **(nvlink_of or {})},
+            bandwidth=self.bandwidth,
+        )
+
+    def without_slots(self, slots: Iterable[Hashable]) -> Topology:
+        """This topology less ``slots`` (a host left with none goes too); for topologies built
+        by ``from_hosts``. Raises ValueError when no slot would be left."""
+        if self._origin.kind != "from_hosts":
+            raise ValueError("without_slots works on topologies built by Topology.from_hosts")
+        drop = set(slots)
+        hosts = {h: kept for h, ss in self.hosts().items()
+                 if (kept := [s for s in ss if s not in drop])}
+        return Topology.from_hosts(
+            hosts, leaf_of={h: v for h, v in self._origin.leaf_of.items() if h in hosts},
+            pod_of=self._origin.pod_of,
+            nvlink_of={s: v for s, v in self._origin.nvlink_of.items() if s not in drop},
             bandwidth=self.bandwidth,
         )
 

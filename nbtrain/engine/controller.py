@@ -31,7 +31,7 @@ import logging
 import time
 import traceback
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,7 @@ from nbtrain.core.lifecycle_types import (
 )
 from nbtrain.core.sched_types import SchedulerConfig
 from nbtrain.engine.assets import PLUGIN_NAME, JobAssets, token_hash
+from nbtrain.engine.inbox import Inbox
 from nbtrain.engine.joblog import JobLog, Tail
 from nbtrain.engine.store import TERMINAL, ControllerStore, StoredJob
 from nbtrain.engine.tasks import run_rank_task
@@ -116,7 +117,7 @@ class ClusterController(SchedulerPlugin):
             MachineConfig(host_failure_limit=s.host_failure_limit,
                           host_failure_window_s=s.host_failure_window_s,
                           host_exclusion_s=s.host_exclusion_s,
-                          worker_return_s=s.worker_return_s),
+                          worker_return_s=s.worker_return_s, slot_forget_s=s.slot_forget_s),
             SchedulerConfig(team_weights=s.team_weight_map(), preempt_grace_s=s.preempt_grace_s,
                             min_resize_interval_s=s.resize_interval_s),
         )
@@ -139,6 +140,10 @@ class ClusterController(SchedulerPlugin):
         #: The newest events fed to the machine, in order (its stimulus log, for debugging a
         #: decision: replay them into a fresh machine; the journal keeps what must survive).
         self.stimuli: deque[Event] = deque(maxlen=STIMULI_KEPT)
+        self.inbox = Inbox(self._feed, self.wake)
+        #: Each event's whole handling on the loop (the decision, its commands, journaling):
+        #: (wall, CPU, what it was).
+        self.feed_s: deque[tuple[float, float, str]] = deque(maxlen=10_000)
         self._client: Client | None = None
         self._client_ready = asyncio.Event()
         self.view_tickets: dict[str, ViewTicket] = {}
@@ -183,6 +188,9 @@ class ClusterController(SchedulerPlugin):
 
     async def close(self) -> None:
         self._closed = True
+        inbox = getattr(self, "inbox", None)
+        if inbox is not None:
+            inbox.drain()  # what arrived is decided and journaled before the journal closes
         for job_id in list(self.assets):
             status = self.job_status(job_id)
             if status is not None and status["state"] not in ("SUCCEEDED", "FAILED",
@@ -298,6 +306,17 @@ class ClusterController(SchedulerPlugin):
 
     # ================================================================== feeding the machine
     def feed(self, event: Event) -> list[Command]:
+        """Apply one event now, after everything waiting in the inbox, and carry out the
+        machine's commands: for a caller that needs the answer (a submission, a request)."""
+        self.inbox.drain()
+        return self._feed(event)
+
+    def put(self, event: Event, then: Callable[[], None] | None = None) -> None:
+        """Queue one event for the machine (fed in order, in short slices; ``then`` runs
+        right after it): for everything that needs no answer."""
+        self.inbox.put(event, then)
+
+    def _feed(self, event: Event) -> list[Command]:
         """Apply one event and carry out the machine's commands (on the event loop).
 
         Never raises: an exception inside the machine fails the one job the event concerns
@@ -310,7 +329,7 @@ class ClusterController(SchedulerPlugin):
         except Exception:
             commands = self._machine_failed(event, traceback.format_exc())
         self.decision_s.append(time.perf_counter() - t0)
-        self.decision_cpu_s.append((time.thread_time() - c0, type(event).__name__))
+        self.decision_cpu_s.append((time.thread_time() - c0, _label(event)))
         touched: set[str] = set()
         for command in commands:
             try:
@@ -322,6 +341,7 @@ class ClusterController(SchedulerPlugin):
                 touched.add(job_id)
         for job_id in touched:
             self.journal_status(job_id)
+        self.feed_s.append((time.perf_counter() - t0, time.thread_time() - c0, _label(event)))
         return commands
 
     def _machine_failed(self, event: Event, tb: str) -> list[Command]:
@@ -437,7 +457,7 @@ class ClusterController(SchedulerPlugin):
             await asyncio.sleep(self.settings.controller_tick_s)
             try:
                 now, wall = self.now()
-                self.feed(Tick(now, wall))
+                self.put(Tick(now, wall))
                 if now - self._last_journal >= self.settings.journal_interval_s:
                     self._last_journal = now
                     for job_id in self.machine.job_ids():
@@ -458,7 +478,7 @@ class ClusterController(SchedulerPlugin):
             self._pending_workers.discard(worker)
             return
         now, wall = self.now()
-        self.feed(WorkerLeft(now, wall, worker))
+        self.put(WorkerLeft(now, wall, worker))
 
     async def _admit_worker(self, address: str) -> None:
         """Read the worker's labels, then offer it as a slot."""
@@ -485,7 +505,7 @@ class ClusterController(SchedulerPlugin):
             return
         now, wall = self.now()
         self.worker_labels[address] = {str(k): str(v) for k, v in labels.items()}
-        self.feed(WorkerJoined(now, wall, address, str(labels.get("host") or ws.host),
+        self.put(WorkerJoined(now, wall, address, str(labels.get("host") or ws.host),
                                str(ws.name), str(labels.get("nvlink", "")),
                                str(labels.get("leaf", "")), str(labels.get("gpu", ""))))
 
@@ -584,7 +604,7 @@ class ClusterController(SchedulerPlugin):
         except Exception as exc:
             failure = _failure_info(exc, host)
         now, wall = self.now()
-        self.feed(RankExit(now, wall, job_id, generation, rank, outcome, failure))
+        self.put(RankExit(now, wall, job_id, generation, rank, outcome, failure))
 
     async def _cancel(self, c: Cancel) -> None:
         client = await self.client()
@@ -617,7 +637,7 @@ class ClusterController(SchedulerPlugin):
         except Exception:
             stacks = {}
         now, wall = self.now()
-        self.feed(HangDiagnosed(now, wall, job_id, generation,
+        self.put(HangDiagnosed(now, wall, job_id, generation,
                                 tuple(hung_ranks(keys, stacks)), rank_stacks(keys, stacks)))
 
     async def _deliver(self, c: Deliver) -> None:
@@ -638,7 +658,7 @@ class ClusterController(SchedulerPlugin):
             tb = traceback.format_exc()
             if job_id in self.assets:
                 now, wall = self.now()
-                self.feed(ControllerFailed(now, wall, job_id, tb))
+                self.put(ControllerFailed(now, wall, job_id, tb))
             logger.error("nbtrain controller: a rank event of job %s failed:\n%s", job_id, tb)
 
     def _rank_event(self, msg: Mapping[str, Any]) -> None:
@@ -657,9 +677,10 @@ class ClusterController(SchedulerPlugin):
                 gen, rank = int(msg["gen"]), int(msg["rank"])
                 assets.trackers.rows([(gen, rank, *row) for row in msg["rows"]])
         now, wall = self.now()
-        self.feed(RankMessage(now, wall, job_id, msg))
-        if kind == "checkpoint" and msg.get("phase") == "committed":
-            self.journal_status(job_id)  # a restart resumes from here: journal it now
+        committed = kind == "checkpoint" and msg.get("phase") == "committed"
+        # a restart resumes from a committed checkpoint: journal it as soon as it is fed
+        self.put(RankMessage(now, wall, job_id, msg),
+                 (lambda: self.journal_status(job_id)) if committed else None)
         self.wake()
 
     # ================================================================== bookkeeping
@@ -686,6 +707,15 @@ class ClusterController(SchedulerPlugin):
         except KeyError:
             assets = self.assets.get(job_id)
             return dict(assets.final) if assets is not None and assets.final else None
+
+
+def _label(event: Event) -> str:
+    """What an event was, for the decision figures (a rank message with its kind and rows)."""
+    if isinstance(event, RankMessage):
+        rows = event.msg.get("rows")
+        extra = f" {len(rows)} rows" if isinstance(rows, list | tuple) else ""
+        return f"RankMessage {event.msg.get('kind')}{extra}"
+    return type(event).__name__
 
 
 def _job_of(event: Event) -> str | None:

@@ -349,10 +349,20 @@ def _decision_ms(ctl: ClusterController) -> dict[str, Any]:
         v = values[min(len(values) - 1, int(q * len(values)))]
         return 1e3 * float(v[0] if isinstance(v, tuple) else v)
 
-    return {"p50": pick(times, 0.5), "p99": pick(times, 0.99), "max": 1e3 * times[-1],
-            "n": len(times), "cpu_p50": pick(cpu, 0.5), "cpu_p99": pick(cpu, 0.99),
-            "cpu_max": 1e3 * cpu[-1][0],
-            "slowest": [f"{kind} {1e3 * t:.2f} ms" for t, kind in cpu[-5:][::-1]]}
+    slices = sorted(ctl.inbox.slice_s_seen)
+    out = {"p50": pick(times, 0.5), "p99": pick(times, 0.99), "max": 1e3 * times[-1],
+           "n": len(times), "cpu_p50": pick(cpu, 0.5), "cpu_p99": pick(cpu, 0.99),
+           "cpu_max": 1e3 * cpu[-1][0],
+           "slowest": [f"{kind} {1e3 * t:.2f} ms" for t, kind in cpu[-5:][::-1]],
+           "slices": len(slices)}
+    whole = sorted(ctl.feed_s)
+    if whole:  # each event's whole handling: decision, commands, journaling
+        out.update(feed_p99=pick(whole, 0.99), feed_max=1e3 * whole[-1][0],
+                   feed_slowest=[f"{kind} {1e3 * w:.2f} ms (CPU {1e3 * c:.2f})"
+                                 for w, c, kind in whole[-8:][::-1]])
+    if slices:  # the inbox's slices: how long queued events held the loop at once
+        out.update(slice_p99=pick(slices, 0.99), slice_max=1e3 * slices[-1])
+    return out
 
 
 # ====================================================================== ranks
