@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from nbtrain.engine.cluster import Cluster, connect
     from nbtrain.engine.job import JobFailedError, JobHandle
     from nbtrain.engine.runrecord import RunRecord, load_run
+    from nbtrain.engine.safeload import UntrustedResultError
     from nbtrain.runtime.context import RankContext
     from nbtrain.runtime.errors import RankFailure
     from nbtrain.runtime.recipe import Recipe
@@ -38,6 +39,7 @@ _WHERE = {
     "Recipe": "nbtrain.runtime.recipe",
     "RunRecord": "nbtrain.engine.runrecord",
     "Settings": "nbtrain.config",
+    "UntrustedResultError": "nbtrain.engine.safeload",
     "connect": "nbtrain.engine.cluster",
     "export_checkpoint": "nbtrain.checkpoints",
     "load_checkpoint": "nbtrain.checkpoints",
@@ -57,6 +59,7 @@ __all__ = [
     "Recipe",
     "RunRecord",
     "Settings",
+    "UntrustedResultError",
     "connect",
     "export_checkpoint",
     "load_checkpoint",

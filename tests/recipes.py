@@ -263,3 +263,32 @@ def bad_rows_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+class Payload:
+    """A result whose unpickling runs a shell command (touches ``marker``): what a hostile
+    user's training function could return to whoever reads its result."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def payload_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> Any:
+    """Returns ``Payload(config["marker"])`` with ordinary data beside it."""
+    return {"loss": 0.5, "weights": torch.ones(3), "evil": Payload(config["marker"])}
+
+
+def data_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> Any:
+    """Returns plain data and tensors only."""
+    from collections import OrderedDict
+
+    import numpy as np
+
+    return {"loss": 0.25, "steps": [1, 2, 3], "name": "ok", "tags": {"a", "b"},
+            "state": OrderedDict(w=torch.arange(4.0, dtype=torch.float64)),
+            "array": np.arange(3), "pair": (1.5, None)}

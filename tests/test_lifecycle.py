@@ -573,3 +573,23 @@ def test_a_rank_waiting_for_its_checkpoint_writer_makes_the_job_slow_not_hung() 
     assert "slow, not hung" in slow["note"]
     h.steps("a", 0, 21)  # the commit landed, the step finished
     assert h.m.status("a").state == "RUNNING" and not h.m.status("a").faults
+
+
+def test_a_commit_the_controller_never_heard_of_corrects_the_faults_resume_step() -> None:
+    """Rank 0 committed step 12 and died before its message got out: the controller thought
+    the job resumes from 10 (5 steps lost); the ranks restore 12, and the fault says so."""
+    h = Harness()
+    h.submit("a", 2)
+    h.steps("a", 0, 15)
+    h.committed("a", 0, 10)
+    h.fail("a", 0, 0, step=15)
+    h.fail("a", 0, 1, peer=True, step=15)
+    h.advance(1.0)
+    for slot in h.m.slots():
+        if slot["state"] == "restarting":
+            h.join()
+    [fault] = h.m.status("a").faults
+    assert (fault["resume_step"], fault["lost_steps"]) == (10, 5)
+    h.feed(RankMessage, "a", {"kind": "rank_started", "rank": 0, "gen": 1, "start_step": 12})
+    [fault] = h.m.status("a").faults
+    assert (fault["resume_step"], fault["lost_steps"]) == (12, 3)

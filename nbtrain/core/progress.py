@@ -191,5 +191,20 @@ def _rank_started(job: LiveJob, gen: Generation, msg: Mapping[str, Any], now: fl
     """A rank of ``gen`` restored and starts its first step; rank 0 says where from."""
     gen.watch.entered(int(msg["rank"]), "first step", now)
     if msg.get("rank") == 0:
-        for event in job.stragglers.restart(gen.size, int(msg["start_step"])):
+        start = int(msg["start_step"])
+        for event in job.stragglers.restart(gen.size, start):
             out.publish(job, event)
+        _resumed_at(job, start)
+
+
+def _resumed_at(job: LiveJob, start: int) -> None:
+    """The ranks restored step ``start``: where a checkpoint committed after the controller
+    last heard (a rank, or the controller, died right after its commit), the fault being
+    recovered from says where the job really resumed and what it really lost."""
+    job.committed_step = max(job.committed_step, start)
+    fault = job.fault_log[-1] if job.recovering and job.fault_log else None
+    if fault is None or fault.get("resume_step") is None or fault["resume_step"] >= start:
+        return
+    fault["resume_step"] = start
+    if fault.get("lost_steps") is not None and fault.get("step") is not None:
+        fault["lost_steps"] = max(0, int(fault["step"]) - start)

@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-import cloudpickle
 import pandas as pd
 
 from nbtrain.core.faults import Fault
@@ -25,6 +24,7 @@ from nbtrain.core.job import JobSpec, JobState
 from nbtrain.core.records import JOB_ROW_COLUMNS
 from nbtrain.core.straggler import StragglerSettings
 from nbtrain.engine.joblog import Tail
+from nbtrain.engine.safeload import result_loads
 
 if TYPE_CHECKING:
     from nbtrain.engine.cluster import Cluster
@@ -447,9 +447,14 @@ class JobHandle:
                     f"{self.resize_note or self.reason}")
             time.sleep(0.05)
 
-    def result(self, timeout: float | None = None) -> Any:
+    def result(self, timeout: float | None = None, *, trust: bool = False) -> Any:
         """Wait, then raise :class:`JobFailedError` unless the job succeeded. Returns the
-        training function's return value on rank 0 (a Recipe job returns this handle)."""
+        training function's return value on rank 0 (a Recipe job returns this handle).
+
+        A result of a job this handle cannot steer (another user's: no token) is read as
+        data only (numbers, strings, lists, dicts, NumPy arrays, tensors), never unpickled
+        in full, since that would run its owner's code here: anything else raises
+        ``UntrustedResultError``. ``trust=True`` loads it in full anyway."""
         state = self.wait(timeout)
         if state is not JobState.SUCCEEDED:
             detail = f"\n{self.error}" if self.error else ""
@@ -463,7 +468,10 @@ class JobHandle:
             raise JobFailedError(f"job {self.name} succeeded but its result did not come back: "
                                  f"{reply['error']}")
         data = reply.get("result")
-        return None if data is None else cloudpickle.loads(data)
+        if data is None:
+            return None
+        return result_loads(data, job=f"{self.name} ({self.id})", owner=self.owner,
+                            trusted=trust or bool(self._token))
 
     # -- views ----------------------------------------------------------------------------
     def dashboard(self, display: str | None = None, **options: Any) -> Any:

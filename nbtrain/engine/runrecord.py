@@ -65,10 +65,12 @@ class RunRecord:
 
         return format_lines([o for o in self.output if rank is None or o["rank"] == rank])
 
-    def result(self) -> Any:
-        """The training function's return value on rank 0. Unpickles what the job's ranks
-        produced: only call it for a job you trust (your own)."""
-        import cloudpickle
+    def result(self, *, trust: bool = False) -> Any:
+        """The training function's return value on rank 0, read as data only (numbers,
+        strings, lists, dicts, NumPy arrays, tensors; anything else raises
+        ``UntrustedResultError``); ``trust=True`` unpickles it in full, running whatever
+        code the job's owner put in it: only for a job you trust."""
+        from nbtrain.engine.safeload import result_loads
 
         with closing(open_readonly(self.state_dir)) as conn:
             row = conn.execute("SELECT result, result_error FROM jobs WHERE job_id = ?",
@@ -76,7 +78,10 @@ class RunRecord:
         if row is None or row[1]:
             raise RuntimeError(f"job {self.name} has no result: "
                                f"{row[1] if row else 'not in the journal'}")
-        return None if row[0] is None else cloudpickle.loads(row[0])
+        if row[0] is None:
+            return None
+        return result_loads(row[0], job=f"{self.name} ({self.job_id})",
+                            owner=str(self.status.get("owner", "")), trusted=trust)
 
     def __repr__(self) -> str:
         return (f"<RunRecord {self.name} ({self.job_id}) {self.state} step "
