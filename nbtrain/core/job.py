@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import math
+import re
 from dataclasses import dataclass, field
 
 from nbtrain.core.mesh import layout_of, validate_mesh
@@ -40,6 +42,29 @@ class TransitionError(RuntimeError):
 
 
 _S = JobState
+
+#: Longest job name: it becomes a directory name (checkpoints, tracker runs) with the job's id
+#: beside it, well inside every filesystem's 255-byte limit.
+NAME_MAX = 100
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def check_name(name: object) -> str:
+    """A job name, or ValueError saying what is allowed: it names directories (checkpoints,
+    tracker runs), so no path separators, no dot-only names, at most ``NAME_MAX``."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or len(name) > NAME_MAX:
+        shown = repr(name) if len(repr(name)) <= 60 else repr(name)[:57] + "..."
+        raise ValueError(
+            f"job name {shown} is not allowed: use letters, digits, '.', '_' and '-', "
+            f"starting with a letter or digit, at most {NAME_MAX} characters (it names the "
+            "job's checkpoint and tracker directories), e.g. name='mlp-lr3'")
+    return name
+
+
+def default_name(label: str, job_id: str) -> str:
+    """A valid name from a recipe's class or a function's name (``<lambda>`` too)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", label).strip("._-")[: NAME_MAX - 5] or "job"
+    return f"{safe}-{job_id[:4]}"
 #: Every move of a job's state the job machine makes (``nbtrain.core.lifecycle``); a state
 #: may also stay, with a new reason, until it is terminal. QUEUED starts (a launch, or a
 #: launch deferred until a shrinking job hands over its slots), is held by its user or ends
@@ -104,7 +129,12 @@ class JobSpec:
     extra: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.world_size, int) or self.world_size < 1:
+        check_name(self.name)
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}: e.g. "
+                             "priority=5 (higher runs first)")
+        if (not isinstance(self.world_size, int) or isinstance(self.world_size, bool)
+                or self.world_size < 1):
             raise ValueError(
                 f"world_size must be a positive integer, got {self.world_size!r}: "
                 "pass the number of ranks, e.g. world_size=2"
@@ -130,8 +160,10 @@ class JobSpec:
                 f"max_restarts must be an integer >= 0, got {self.max_restarts!r}: "
                 "0 fails the job at its first fault"
             )
-        if self.restart_window_s <= 0:
-            raise ValueError(f"restart_window_s must be > 0, got {self.restart_window_s!r}")
+        if (not isinstance(self.restart_window_s, int | float)
+                or not math.isfinite(self.restart_window_s) or self.restart_window_s <= 0):
+            raise ValueError(f"restart_window_s must be a finite number of seconds > 0, got "
+                             f"{self.restart_window_s!r}: e.g. restart_window_s=3600")
         if self.device not in ("auto", "gpu", "cpu"):
             raise ValueError(
                 f"device must be 'auto', 'gpu' or 'cpu', got {self.device!r}: 'gpu' runs on "

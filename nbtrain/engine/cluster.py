@@ -28,7 +28,7 @@ from distributed import Client, LocalCluster
 from nbtrain.config import Settings
 from nbtrain.core.checkpoint_policy import parse_checkpoint_setting
 from nbtrain.core.faults import Fault
-from nbtrain.core.job import JobSpec, format_progress
+from nbtrain.core.job import JobSpec, default_name, format_progress
 from nbtrain.core.lifecycle_types import JobPolicy, JobSubmission
 from nbtrain.core.mitigation import MitigationSettings, make_policy
 from nbtrain.engine import pages
@@ -288,7 +288,7 @@ class Cluster:
                 f"(with setup(ctx) and step(ctx, batch)), got {type(recipe).__name__}"
             )
         job_id = uuid.uuid4().hex[:8]
-        spec = JobSpec(job_id=job_id, name=name or f"{label}-{job_id[:4]}",
+        spec = JobSpec(job_id=job_id, name=name or default_name(label, job_id),
                        world_size=world_size, steps=steps, min_size=min_size,
                        max_size=max_size, queue=queue, seed=seed,
                        priority=priority, team=team, checkpoint=checkpoint, resume=resume,
