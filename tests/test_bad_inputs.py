@@ -87,3 +87,17 @@ def test_the_controller_checks_again_what_an_older_client_would_send(
     assert [j.id for j in free_cluster.jobs] == before
     job = free_cluster.submit(Regression(), world_size=1, steps=5, name="after-forged")
     assert job.wait(120) is JobState.SUCCEEDED, job.reason
+
+
+def test_forged_tokens_are_refused_and_the_owner_still_steers(
+        free_cluster: nbtrain.Cluster) -> None:
+    job = free_cluster.submit(Regression(step_sleep=0.02), world_size=1, steps=10**6,
+                              name="owned")
+    forged = ["", job.token[:-1], job.token + "x", job.token.upper(), 12345, None,
+              ["list"], {"token": job.token}]
+    for token in forged:
+        with pytest.raises(PermissionError, match="belongs to"):
+            free_cluster.rpc("nbtrain_request", job_id=job.id, what="stop", token=token)
+    assert not job.status.terminal
+    job.stop()
+    assert job.wait(120) is JobState.CANCELLED

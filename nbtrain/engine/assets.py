@@ -6,6 +6,7 @@ the controller, its handlers and its pages, none of which needs the others for t
 from __future__ import annotations
 
 import hashlib
+import hmac
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,12 @@ PLUGIN_NAME = "nbtrain"
 
 def token_hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def token_matches(token: object, expected_hash: str) -> bool:
+    """Whether ``token`` (a string) hashes to ``expected_hash``, compared in constant time."""
+    return (isinstance(token, str) and bool(token) and bool(expected_hash)
+            and hmac.compare_digest(token_hash(token), expected_hash))
 
 
 @dataclass

@@ -146,11 +146,11 @@ async def request(ctl: ClusterController, *, job_id: str, what: str, arg: Any = 
 def check_owner(ctl: ClusterController, job_id: str, token: str, what: str,
                 status: Mapping[str, Any] | None = None) -> None:
     """PermissionError unless ``token`` is the job's or the operator's."""
-    from nbtrain.engine.assets import token_hash
+    from nbtrain.engine.assets import token_matches
 
     status = status or _known(ctl, job_id)
     assets = ctl.assets[job_id]
-    if not token or (token_hash(token) != assets.token_hash and not _is_operator(ctl, token)):
+    if not (token_matches(token, assets.token_hash) or _is_operator(ctl, token)):
         owner = status["owner"] or "another client"
         raise PermissionError(
             f"job {status['name']} ({job_id}) belongs to {owner}: only the handle that "
@@ -422,9 +422,9 @@ def _known(ctl: ClusterController, job_id: str) -> dict[str, Any]:
 
 
 def _is_operator(ctl: ClusterController, token: str) -> bool:
-    from nbtrain.engine.assets import token_hash
+    from nbtrain.engine.assets import token_matches
 
-    return bool(token) and bool(ctl.operator_hash) and token_hash(token) == ctl.operator_hash
+    return token_matches(token, ctl.operator_hash)
 
 
 def _current_generation(ctl: ClusterController, job_id: str) -> int:
