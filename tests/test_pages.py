@@ -208,3 +208,28 @@ def test_the_page_module_imports_without_bokeh_server_at_import_time() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+def _feed_across_forgetting(dask_scheduler: Any, job_id: str) -> list[dict[str, Any]]:
+    """On the scheduler: a job page's feed before and after the controller drops the ended
+    job from memory (what ``jobs_kept`` does), and a new feed opened only after."""
+    from nbtrain.engine.assets import PLUGIN_NAME
+    from nbtrain.engine.pages import ControllerFeed
+
+    ctl = dask_scheduler.plugins[PLUGIN_NAME]
+    feed = ControllerFeed(ctl, job_id)
+    before = dict(feed.status())
+    ctl.ended.remove(job_id)
+    ctl.machine.forget(job_id)
+    ctl.assets.pop(job_id)
+    return [before, dict(feed.status()), dict(ControllerFeed(ctl, job_id).status())]
+
+
+def test_a_page_never_invents_an_end_state_for_a_forgotten_job(
+        free_cluster: nbtrain.Cluster) -> None:
+    job = free_cluster.submit(Regression(), world_size=1, steps=5, name="forgotten")
+    assert job.wait(120) is JobState.SUCCEEDED
+    before, after, fresh = free_cluster.client.run_on_scheduler(_feed_across_forgetting,
+                                                                job_id=job.id)
+    assert before["state"] == after["state"] == "SUCCEEDED"
+    assert fresh["state"] == "UNKNOWN" and "journal" in fresh["reason"]

@@ -17,7 +17,7 @@ from nbtrain.core.job import JobSpec
 from nbtrain.engine.joblog import JobLog
 from nbtrain.engine.trackers import TrackerSink
 
-__all__ = ["PLUGIN_NAME", "JobAssets", "token_hash"]
+__all__ = ["PLUGIN_NAME", "JobAssets", "token_hash", "token_matches"]
 
 PLUGIN_NAME = "nbtrain"
 

@@ -138,6 +138,7 @@ class ControllerFeed:
         self.job_id = job_id
         self.ticket = ticket
         self.can_control = bool(ticket) and check_ticket(ctl, job_id, ticket)
+        self._last: Mapping[str, Any] | None = None  # the last status seen in memory
 
     def rows_since(self, position: int) -> tuple[list[Any], int]:
         assets = self.ctl.assets.get(self.job_id)
@@ -154,11 +155,17 @@ class ControllerFeed:
         return [dict(e) for e in events], at + len(events)
 
     def status(self) -> Mapping[str, Any]:
+        """The job's status; once the controller has dropped it from memory (an ended job
+        past ``jobs_kept``), the last one this page saw, never an invented end state."""
         status = self.ctl.job_status(self.job_id)
-        if status is None:
-            return {"name": self.job_id, "state": "CANCELLED",
-                    "reason": "the controller no longer knows this job"}
-        return status
+        if status is not None:
+            self._last = status
+            return status
+        if self._last is not None:
+            return self._last
+        return {"name": self.job_id, "state": "UNKNOWN",
+                "reason": "not in the controller's memory (an ended job past jobs_kept): "
+                          "cluster.job(id) reads it back from the controller's journal"}
 
     def request(self, what: str, arg: Any = None) -> None:
         from nbtrain.engine.handlers import apply_request

@@ -135,7 +135,7 @@ class JobPage:
 
     def _update_controls(self, status: Mapping[str, Any]) -> None:
         state = str(status.get("state", ""))
-        terminal = state in ("SUCCEEDED", "FAILED", "CANCELLED")
+        terminal = state in ("SUCCEEDED", "FAILED", "CANCELLED", "UNKNOWN")
         wanted = {"stop": not terminal, "preempt": state in ("STARTING", "RUNNING"),
                   "resume": state == "PREEMPTED", "checkpoint": state == "RUNNING",
                   "resize": not terminal and state != "STOPPING"}
