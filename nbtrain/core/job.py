@@ -46,7 +46,9 @@ _S = JobState
 #: Longest job name: it becomes a directory name (checkpoints, tracker runs) with the job's id
 #: beside it, well inside every filesystem's 255-byte limit.
 NAME_MAX = 100
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+#: Characters safe in a directory name on every filesystem and shell a path meets.
+NAME_CHARS = "letters, digits and . _ - + = @ ,"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-+=@,]*")
 
 
 def check_name(name: object) -> str:
@@ -55,9 +57,9 @@ def check_name(name: object) -> str:
     if not isinstance(name, str) or not _NAME.fullmatch(name) or len(name) > NAME_MAX:
         shown = repr(name) if len(repr(name)) <= 60 else repr(name)[:57] + "..."
         raise ValueError(
-            f"job name {shown} is not allowed: use letters, digits, '.', '_' and '-', "
-            f"starting with a letter or digit, at most {NAME_MAX} characters (it names the "
-            "job's checkpoint and tracker directories), e.g. name='mlp-lr3'")
+            f"job name {shown} is not allowed: use {NAME_CHARS}, starting with a letter or "
+            f"digit, at most {NAME_MAX} characters (it names the job's checkpoint and tracker "
+            "directories), e.g. name='mlp-lr3'")
     return name
 
 
