@@ -101,3 +101,23 @@ def test_forged_tokens_are_refused_and_the_owner_still_steers(
     assert not job.status.terminal
     job.stop()
     assert job.wait(120) is JobState.CANCELLED
+
+
+def test_detector_settings_that_would_allocate_without_bound_are_refused(
+        free_cluster: nbtrain.Cluster) -> None:
+    job = free_cluster.submit(Regression(step_sleep=0.02), world_size=1, steps=10**6,
+                              name="tuned")
+    for change in ({"noise_steps": 10**9}, {"window": 10**6}, {"ratio": float("nan")}):
+        with pytest.raises(ValueError, match="invalid StragglerSettings"):
+            job.tune_stragglers(**change)
+        with pytest.raises(ValueError, match="invalid StragglerSettings"):  # by hand, too
+            free_cluster.rpc("nbtrain_request", job_id=job.id, what="stragglers",
+                             arg=change, token=job.token)
+    for arg in ({"bogus": 1}, [1, 2], "window"):  # not settings at all
+        with pytest.raises(ValueError):
+            free_cluster.rpc("nbtrain_request", job_id=job.id, what="stragglers", arg=arg,
+                             token=job.token)
+    job.tune_stragglers(window=10)  # a sane change still goes through
+    assert not job.status.terminal
+    job.stop()
+    assert job.wait(120) is JobState.CANCELLED

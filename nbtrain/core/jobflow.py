@@ -15,7 +15,8 @@ again), then a halt on a non-finite metric (FAILED), then completion.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ from nbtrain.core.outbox import Outbox
 from nbtrain.core.placement import Placement
 from nbtrain.core.resizeplan import PendingResize
 from nbtrain.core.sched_types import Failed, Released, Resume, Suspend
+from nbtrain.core.straggler import StragglerSettings
 
 __all__ = ["Admit", "EndJob", "Next", "Relaunch", "generation_ended", "generation_failed",
            "launched", "preempted_for", "request", "resize_decided", "restore"]
@@ -171,7 +173,22 @@ def request(job: LiveJob, what: str, arg: Any, *, now: float, grace_s: float,
             job.checkpoint_seq += 1
             out.set_control(job, checkpoint=job.checkpoint_seq)
     elif what == "stragglers":
-        for event in job.stragglers.update(**dict(arg)):
+        if not isinstance(arg, Mapping):
+            out.add(Rejected(job.id, "straggler settings must be a mapping of setting names to "
+                                     f"values, e.g. {{'window': 16}}; got {type(arg).__name__}"))
+            return None
+        known = {f.name for f in dataclasses.fields(StragglerSettings)}
+        unknown = sorted(map(str, set(arg) - known))
+        if unknown:
+            out.add(Rejected(job.id, f"unknown straggler settings {unknown}; the settings "
+                                     f"are {', '.join(sorted(known))}"))
+            return None
+        try:  # settings a client sent: refused in words, never a failed job
+            events = job.stragglers.update(**arg)
+        except (TypeError, ValueError) as exc:
+            out.add(Rejected(job.id, str(exc)))
+            return None
+        for event in events:
             out.publish(job, event)
     elif what == "inject":
         refused = inject_rejected(job, arg.rank)

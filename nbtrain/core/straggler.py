@@ -82,6 +82,11 @@ HINTS: dict[Phase, str] = {
 }
 
 
+#: Most steps any window of the detector may span: its rings hold that many steps per rank
+#: and phase, so a setting sent by a client must not make it allocate without bound.
+HISTORY_STEPS_MAX = 4096
+
+
 @dataclass(frozen=True, kw_only=True)
 class StragglerSettings:
     """Thresholds of the detector; change them on a running job with ``update_settings``.
@@ -158,7 +163,15 @@ class StragglerSettings:
             raise ValueError("invalid StragglerSettings: " + "; ".join(problems))
 
     def _vote_problems(self) -> list[str]:
-        problems: list[str] = []
+        problems: list[str] = [
+            f"{name} must be at most {HISTORY_STEPS_MAX} steps (the detector keeps that many "
+            f"steps per rank and phase), got {value!r}"
+            for name, value in (("window", self.window), ("confirm_steps", self.confirm_steps),
+                                ("noise_steps", self.noise_steps),
+                                ("warmup_steps", self.warmup_steps))
+            if isinstance(value, int) and value > HISTORY_STEPS_MAX]
+        if problems:
+            return problems
         if not self.ratio > 1.0:
             problems.append(f"ratio must be > 1, got {self.ratio!r} (e.g. ratio=1.2)")
         if not (isinstance(self.window, int) and self.window >= 1):
