@@ -593,3 +593,18 @@ def test_a_commit_the_controller_never_heard_of_corrects_the_faults_resume_step(
     h.feed(RankMessage, "a", {"kind": "rank_started", "rank": 0, "gen": 1, "start_step": 12})
     [fault] = h.m.status("a").faults
     assert (fault["resume_step"], fault["lost_steps"]) == (12, 3)
+
+
+def test_a_dead_worker_is_the_cause_even_when_a_peers_error_came_first() -> None:
+    """The worker of rank 1 is killed; rank 0's DataLoader child goes with the broken job and
+    rank 0 reports that before the scheduler notices the worker gone: the fault is the lost
+    worker, not rank 0's consequence."""
+    h = Harness()
+    h.submit("a", 2)
+    h.steps("a", 0, 10)
+    h.fail("a", 0, 0, error="RuntimeError: DataLoader worker (pid(s) 1) exited unexpectedly")
+    [launch] = h.launches("a")
+    h.feed(WorkerLeft, launch.addresses[1])
+    h.advance(15.0)  # past the failure grace
+    fault = h.m.status("a").faults[0]
+    assert "left the cluster" in fault["error"], fault

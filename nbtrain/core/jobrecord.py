@@ -217,6 +217,9 @@ class LiveJob:
 
 
 def primary_failure(failures: dict[int, RankFailureInfo]) -> tuple[int, RankFailureInfo]:
-    """The cause, not the consequences: the earliest failure that is not a peer's reaction."""
-    causes = [(r, f) for r, f in failures.items() if not f.peer] or list(failures.items())
+    """The cause, not the consequences: a rank whose worker died, else the earliest failure
+    that is not a peer's reaction. A worker's death is noticed after what its peers raised
+    meanwhile (a broken collective, their DataLoader children gone), so it comes first."""
+    causes = ([(r, f) for r, f in failures.items() if f.lost_worker]
+              or [(r, f) for r, f in failures.items() if not f.peer] or list(failures.items()))
     return min(causes, key=lambda rf: rf[1].when)
