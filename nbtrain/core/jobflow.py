@@ -255,9 +255,6 @@ def inject_rejected(job: LiveJob, rank: int) -> str:
     return "" if 0 <= rank < ranks else f"rank must be in 0..{ranks - 1}, got {rank}"
 
 
-
-
-
 # ====================================================================== a generation ended
 def generation_ended(job: LiveJob, gen: Generation, *, now: float, avoid: frozenset[str],
                      name_of: Callable[[str | None], str], out: Outbox) -> Next:

@@ -147,7 +147,8 @@ class StragglerSettings:
     """The phases judged."""
 
     def __post_init__(self) -> None:
-        problems = [*self._vote_problems(), *self._confirm_problems(), *self._floor_problems()]
+        problems = [*self._size_problems(), *self._vote_problems(), *self._confirm_problems(),
+                    *self._floor_problems()]
         try:
             phases = tuple(Phase(p) for p in self.phases)
         except ValueError:
@@ -162,16 +163,17 @@ class StragglerSettings:
         if problems:
             raise ValueError("invalid StragglerSettings: " + "; ".join(problems))
 
+    def _size_problems(self) -> list[str]:
+        return [f"{name} must be at most {HISTORY_STEPS_MAX} steps (the detector keeps that "
+                f"many steps per rank and phase), got {value!r}"
+                for name, value in (("window", self.window),
+                                    ("confirm_steps", self.confirm_steps),
+                                    ("noise_steps", self.noise_steps),
+                                    ("warmup_steps", self.warmup_steps))
+                if isinstance(value, int) and value > HISTORY_STEPS_MAX]
+
     def _vote_problems(self) -> list[str]:
-        problems: list[str] = [
-            f"{name} must be at most {HISTORY_STEPS_MAX} steps (the detector keeps that many "
-            f"steps per rank and phase), got {value!r}"
-            for name, value in (("window", self.window), ("confirm_steps", self.confirm_steps),
-                                ("noise_steps", self.noise_steps),
-                                ("warmup_steps", self.warmup_steps))
-            if isinstance(value, int) and value > HISTORY_STEPS_MAX]
-        if problems:
-            return problems
+        problems: list[str] = []
         if not self.ratio > 1.0:
             problems.append(f"ratio must be > 1, got {self.ratio!r} (e.g. ratio=1.2)")
         if not (isinstance(self.window, int) and self.window >= 1):

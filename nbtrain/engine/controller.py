@@ -329,7 +329,8 @@ class ClusterController(SchedulerPlugin):
         except Exception:
             commands = self._machine_failed(event, traceback.format_exc())
         self.decision_s.append(time.perf_counter() - t0)
-        self.decision_cpu_s.append((time.thread_time() - c0, _label(event)))
+        label = _label(event)
+        self.decision_cpu_s.append((time.thread_time() - c0, label))
         touched: set[str] = set()
         for command in commands:
             try:
@@ -341,7 +342,7 @@ class ClusterController(SchedulerPlugin):
                 touched.add(job_id)
         for job_id in touched:
             self.journal_status(job_id)
-        self.feed_s.append((time.perf_counter() - t0, time.thread_time() - c0, _label(event)))
+        self.feed_s.append((time.perf_counter() - t0, time.thread_time() - c0, label))
         return commands
 
     def _machine_failed(self, event: Event, tb: str) -> list[Command]:
