@@ -1,16 +1,25 @@
 """Settings: one place for every default and every timeout.
 
-A value comes from, in order: the keyword passed in code, the environment variable
-``NBTRAIN_<NAME>`` (upper case), Dask's config key ``nbtrain.<name-with-dashes>``, the default
-below. Cluster operators can therefore configure nbtrain like Dask itself.
+``Settings.load(...)`` (what ``connect()`` uses) takes a value from, in order: the keyword
+passed in code, the environment variable ``NBTRAIN_<NAME>`` (upper case), Dask's config key
+``nbtrain.<name-with-dashes>``, the default below. Cluster operators can therefore configure
+nbtrain like Dask itself. ``Settings(...)`` takes the keywords and the defaults only; it warns
+when it leaves a value of the environment or Dask's config unread.
+
+Every value is checked where it is made (type, range, finite, coherent with the others):
+a bad one raises ValueError naming the value, what is allowed and where to set it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 import os
-from dataclasses import dataclass, fields
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import dask.config
@@ -111,9 +120,16 @@ class Settings:
     team_weights: str = ""
     #: Highest priority a job may have without the operator token.
     priority_ceiling: int = 10
-    #: The operator's token: a client holding it may steer every job and submit above the
-    #: priority ceiling. Empty: no operator (the embedded cluster makes one for its owner).
-    operator_token: str = ""
+    #: The operator's token: a client holding it may steer every job, read every job's
+    #: results and logs, and submit above the priority ceiling. Empty: no operator (the
+    #: embedded cluster makes one for its owner). It never leaves the client: the controller
+    #: keeps its hash, jobs never see it (not shown in reprs either).
+    operator_token: str = field(default="", repr=False)
+    #: Who sees a job's metrics, events and status details: "all" (every client of the
+    #: cluster: a class that shares its curves) or "owner" (the job's owner and the operator;
+    #: others see only what scheduling needs: name, owner, team, priority, state and size).
+    #: Results, logs and checkpoints are always the owner's and the operator's alone.
+    visibility: str = "all"
     #: How long the ticket in a job page's URL (from ``job.dashboard()``) lets its holder
     #: steer the job. The URL is saved with the notebook's output: keep this short.
     view_ticket_s: float = 12 * 3600.0
@@ -174,12 +190,33 @@ class Settings:
             self.team_weight_map()
         except ValueError as exc:
             problems.append(str(exc))
+        if not problems:
+            problems.extend(_incoherent(self))
         if problems:
             raise ValueError("invalid nbtrain settings: " + "; ".join(problems) + " (set them "
                              "in code, as NBTRAIN_<NAME> or as Dask config nbtrain.<name>)")
+        if not _LOADING.get():
+            _warn_unread(self)
 
     def replace(self, **changes: Any) -> Settings:
-        return dataclasses.replace(self, **changes)
+        with _loading():
+            return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Settings:
+        """Settings sent as a dict (by a client, or read from the journal): known fields only,
+        each checked; the environment is not read (they are someone else's settings)."""
+        known = {f.name for f in fields(cls)}
+        with _loading():
+            return cls(**{k: v for k, v in data.items() if k in known})
+
+    def for_jobs(self) -> dict[str, Any]:
+        """What a job carries to the controller and its ranks: every value but this client's
+        own (its operator token and token file never leave it)."""
+        out = self.to_dict()
+        for name in CLIENT_ONLY:
+            out.pop(name, None)
+        return out
 
     def team_weight_map(self) -> dict[str, float]:
         """``team_weights`` parsed; raises ValueError naming the bad entry."""
@@ -216,7 +253,67 @@ class Settings:
                 known = ", ".join(sorted(values))
                 raise TypeError(f"unknown nbtrain setting {key!r}; known settings: {known}")
             values[key] = _coerce(key, value, type(values[key]))
-        return cls(**values)
+        with _loading():
+            return cls(**values)
+
+
+#: Settings that stay in the client that holds them.
+CLIENT_ONLY = ("operator_token", "token_file")
+#: The allowed values of settings that are a choice.
+CHOICES: dict[str, tuple[str, ...]] = {"visibility": ("all", "owner")}
+#: Upper bounds: a value above them is a typo or an attempt to exhaust the controller (a
+#: client's settings travel with its jobs).
+MAXIMA: dict[str, float] = {
+    "event_batch_max": 100_000, "checkpoint_keep": 10_000, "jobs_kept": 1_000_000,
+    "rows_kept": 10_000_000, "handle_rows_kept": 10_000_000, "rank_threads": 4_096,
+    "host_failure_limit": 1_000_000, "recipe_max_bytes": 1 << 30, "result_max_bytes": 1 << 30,
+    "log_lines_per_s": 1_000_000, "priority_ceiling": 1 << 31}
+
+_LOADING: contextvars.ContextVar[bool] = contextvars.ContextVar("nbtrain_settings_loading",
+                                                                 default=False)
+
+
+@contextlib.contextmanager
+def _loading() -> Iterator[None]:
+    """Settings made inside are made on purpose from given values (no unread-value warning)."""
+    token = _LOADING.set(True)
+    try:
+        yield
+    finally:
+        _LOADING.reset(token)
+
+
+def _warn_unread(settings: Settings) -> None:
+    """``Settings(...)`` reads no environment: say so when the environment had a value."""
+    unread = [f"NBTRAIN_{f.name.upper()}" for f in fields(settings)
+              if f"NBTRAIN_{f.name.upper()}" in os.environ
+              and getattr(settings, f.name) == f.default]
+    if unread:
+        warnings.warn(
+            f"nbtrain.Settings(...) takes only the values passed to it and the defaults, so it "
+            f"leaves {', '.join(unread)} from the environment unread; use "
+            "nbtrain.Settings.load(...) to read the environment and Dask's config too",
+            UserWarning, stacklevel=4)
+
+
+def _incoherent(s: Settings) -> list[str]:
+    """Values that are each fine but do not work together."""
+    out = []
+    if s.worker_return_s > s.slot_forget_s:
+        out.append(f"worker_return_s ({s.worker_return_s:g}) must not exceed slot_forget_s "
+                   f"({s.slot_forget_s:g}): a restarted worker's slot would be forgotten before "
+                   "it is given up")
+    if s.control_poll_s > s.preempt_grace_s:
+        out.append(f"control_poll_s ({s.control_poll_s:g}) must not exceed preempt_grace_s "
+                   f"({s.preempt_grace_s:g}): a preempted job would not hear of it in time")
+    commit, grace = s.checkpoint_commit_timeout_s, s.preempt_grace_s
+    if commit > grace and (commit, grace) != (DEFAULT_COMMIT_TIMEOUT_S, _SCHED.preempt_grace_s):
+        warnings.warn(
+            f"checkpoint_commit_timeout_s ({commit:g}) is longer than preempt_grace_s "
+            f"({grace:g}): a preempted job's checkpoint that takes longer than the grace is "
+            "cut off and the job resumes from its previous one; raise preempt_grace_s or "
+            "lower the commit timeout", UserWarning, stacklevel=4)
+    return out
 
 
 #: Durations where 0 means "off".
@@ -227,15 +324,31 @@ _ZERO_ALLOWED = frozenset({"rank_threads"})
 
 def _check(name: str, value: Any, kind: type) -> str | None:
     """What is wrong with one setting's value (None: nothing); ``kind``: its default's type."""
-    if kind in (bool, str) or name == "priority_ceiling":  # any integer priority
+    if kind is bool:
+        return None if isinstance(value, bool) else f"{name} must be True or False, got {value!r}"
+    if kind is str:
+        if not isinstance(value, str):
+            return f"{name} must be a string, got {value!r}"
+        if "\x00" in value or len(value) > 4096:
+            return f"{name} must be a string of at most 4,096 characters without NUL"
+        choices = CHOICES.get(name)
+        if choices and value not in choices:
+            return f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}"
         return None
+    top = MAXIMA.get(name, math.inf)
     if kind is int:
-        low = 0 if name in _ZERO_ALLOWED else 1
-        ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
-        return None if ok else f"{name} must be an integer >= {low}, got {value!r}"
+        low = -top if name == "priority_ceiling" else 0 if name in _ZERO_ALLOWED else 1
+        ok = (isinstance(value, int) and not isinstance(value, bool)
+              and low <= value <= top)
+        return None if ok else (f"{name} must be an integer from {low:,.0f} to {top:,.0f}, "
+                                f"got {value!r}" if top < math.inf
+                                else f"{name} must be an integer >= {low}, got {value!r}")
     unit = " seconds" if name.endswith("_s") else ""
-    if not isinstance(value, int | float) or isinstance(value, bool) or math.isnan(value):
-        return f"{name} must be a number{' of seconds' if unit else ''}, got {value!r}"
+    if (not isinstance(value, int | float) or isinstance(value, bool)
+            or not math.isfinite(value)):
+        return f"{name} must be a finite number{' of seconds' if unit else ''}, got {value!r}"
+    if value > top:
+        return f"{name} must be at most {top:,.0f}{unit}, got {value!r}"
     if name in _ZERO_MEANS_OFF:
         return None if value >= 0 else f"{name} must be >= 0{unit} (0 = off), got {value!r}"
     return None if value > 0 else f"{name} must be > 0{unit}, got {value!r}"

@@ -107,8 +107,9 @@ class NbtrainMagics:
             return
         print(f"{'name':18} {'id':10} {'owner':10} {'team':10} {'state':10} {'step':>14}  reason")
         for job in jobs:
+            step = "(hidden)" if job.hidden else job.spec.progress(job.step)
             print(f"{job.name:18} {job.id[:10]:10} {job.owner:10} {job.spec.team:10} "
-                  f"{job.status.value:10} {job.spec.progress(job.step):>14}  {job.reason}")
+                  f"{job.status.value:10} {step:>14}  {job.reason}")
 
     def _attach(self, args: argparse.Namespace) -> Any:
         job = self._job(args)
@@ -124,6 +125,9 @@ class NbtrainMagics:
 
     def _status(self, args: argparse.Namespace) -> None:
         job = self._job(args)
+        if job.hidden:
+            print(f"{job.name}: {job.status.value}, owner {job.owner} - {job.hidden}")
+            return
         print(f"{job.name}: {job.status.value} at step {job.spec.progress(job.step)}, "
               f"generation {max(job.generation, 0)}, restarts {job.restarts} - {job.reason}")
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import pytest
 
 from nbtrain import Settings
@@ -34,8 +37,8 @@ def test_every_problem_is_named() -> None:
                  team_weights="research")
     text = str(err.value)
     for part in ("hang_floor_s must be > 0 seconds, got -1",
-                 "checkpoint_keep must be an integer >= 1, got 0",
-                 "collective_timeout_s must be a number of seconds, got nan",
+                 "checkpoint_keep must be an integer from 1 to 10,000, got 0",
+                 "collective_timeout_s must be a finite number of seconds, got nan",
                  "team_weights entry 'research'", "NBTRAIN_<NAME>"):
         assert part in text, (part, text)
     assert Settings(device_sample_s=0.0, rank_threads=0).device_sample_s == 0.0
@@ -45,3 +48,66 @@ def test_an_environment_value_is_checked_too(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("NBTRAIN_PREEMPT_GRACE_S", "-5")
     with pytest.raises(ValueError, match=r"preempt_grace_s must be > 0 seconds, got -5\.0"):
         Settings.load()
+
+
+@pytest.mark.parametrize(("changes", "says"), [
+    ({"control_poll_s": float("inf")}, "control_poll_s must be a finite number of seconds"),
+    ({"state_dir": "a\x00b"}, "state_dir must be a string of at most 4,096 characters"),
+    ({"visibility": "friends"}, "visibility must be one of 'all', 'owner', got 'friends'"),
+    ({"event_batch_max": 10**9}, "event_batch_max must be an integer from 1 to 100,000"),
+    ({"result_max_bytes": 1 << 40}, "result_max_bytes must be an integer from 1 to"),
+    ({"priority_ceiling": 1 << 40}, "priority_ceiling must be an integer from"),
+    ({"worker_return_s": 100.0, "slot_forget_s": 10.0},
+     "worker_return_s (100) must not exceed slot_forget_s (10)"),
+    ({"control_poll_s": 5.0, "preempt_grace_s": 3.0},
+     "control_poll_s (5) must not exceed preempt_grace_s (3)"),
+])
+def test_a_bad_or_incoherent_value_is_refused_with_its_fix(changes: dict[str, object],
+                                                             says: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(says)):
+        Settings.load(**changes)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=re.escape(says)), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tests' NBTRAIN_CHECKPOINT_ROOT is left unread
+        Settings(**changes)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("changes", "says"), [
+    ({"quiet_workers": "no"}, "quiet_workers must be True or False, got 'no'"),
+    ({"checkpoint_root": 7}, "checkpoint_root must be a string, got 7"),
+])
+def test_a_value_of_the_wrong_type_in_code_is_refused(changes: dict[str, object],
+                                                      says: str) -> None:
+    """(``Settings.load`` converts, as from the environment's text: "no" is False.)"""
+    with pytest.raises(ValueError, match=re.escape(says)), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        Settings(**changes)  # type: ignore[arg-type]
+
+
+def test_a_commit_timeout_past_the_preemption_grace_warns() -> None:
+    with pytest.warns(UserWarning, match=r"checkpoint_commit_timeout_s \(200\) is longer than "
+                                         r"preempt_grace_s \(60\)"):
+        Settings.load(checkpoint_commit_timeout_s=200.0, preempt_grace_s=60.0)
+
+
+def test_settings_made_directly_say_what_they_leave_unread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Settings(...)`` takes its keywords and the defaults; ``Settings.load`` reads the
+    environment too. The difference is a warning, not a surprise."""
+    monkeypatch.delenv("NBTRAIN_CHECKPOINT_ROOT", raising=False)
+    monkeypatch.setenv("NBTRAIN_JOBS_KEPT", "7")
+    assert Settings.load().jobs_kept == 7
+    with pytest.warns(UserWarning, match=r"leaves NBTRAIN_JOBS_KEPT from the environment "
+                                         r"unread; use nbtrain.Settings.load"):
+        assert Settings(token_file="").jobs_kept == 200
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Settings(jobs_kept=3)  # the value is given: nothing is left unread
+        Settings.load().replace(jobs_kept=9)
+
+
+def test_the_operator_token_stays_with_the_client() -> None:
+    s = Settings.load(operator_token="s3cret-operator")
+    assert "s3cret" not in repr(s)
+    sent = s.for_jobs()
+    assert "operator_token" not in sent and "token_file" not in sent
+    assert Settings.from_dict(sent).operator_token == ""

@@ -32,6 +32,7 @@ from nbtrain.core.job import JobSpec, default_name, format_progress
 from nbtrain.core.lifecycle_types import JobPolicy, JobSubmission
 from nbtrain.core.mitigation import MitigationSettings, make_policy
 from nbtrain.engine import pages
+from nbtrain.engine.assets import token_hash
 from nbtrain.engine.checkpoints import job_url, resolve_resume
 from nbtrain.engine.controller import ClusterController
 from nbtrain.engine.embedded import EmbeddedCluster
@@ -91,6 +92,12 @@ class Cluster:
         token (empty when it has none)."""
         return token or self._remote.operator_token
 
+    def credentials(self) -> dict[str, Any]:
+        """What a listing carries so the controller shows this client what it may read:
+        its operator token and the tokens of the jobs it holds handles of."""
+        tokens = {jid: h.token for jid, h in list(self._handles.items()) if h.token}
+        return {"token": self._remote.operator_token, "tokens": tokens}
+
     def follow(self, handle: JobHandle) -> None:
         """Keep ``handle`` current (the cluster's follower thread)."""
         self._follower.follow(handle)
@@ -106,7 +113,7 @@ class Cluster:
         """The controller's view of the cluster: ``slots`` (slot, host, nvlink, address,
         state, job), ``jobs`` (statuses), ``queue`` (job ids in order), ``team_usage``
         (slot-seconds per team), ``log`` (recent cluster events: workers, restarts)."""
-        return dict(self.rpc("nbtrain_cluster"))
+        return dict(self.rpc("nbtrain_cluster", **self.credentials()))
 
     def _wait_for_slots(self, expected: int, timeout: float = 120.0) -> None:
         """Until the controller has taken in the workers Dask knows of (it reads each
@@ -144,7 +151,7 @@ class Cluster:
     @property
     def jobs(self) -> list[JobHandle]:
         """Every job the cluster's controller knows, from every client, in submit order."""
-        listing = self._remote.call("nbtrain_jobs")["jobs"]
+        listing = self._remote.call("nbtrain_jobs", **self.credentials())["jobs"]
         return [self._handle_for(status) for status in listing]
 
     def job(self, key: str, *, token: str | None = None) -> JobHandle:
@@ -154,7 +161,16 @@ class Cluster:
         steered with its ``token`` (found automatically when this user submitted it, see
         ``Settings.token_file``) or as the operator; otherwise the handle only watches.
         """
-        info = self._remote.call("nbtrain_job", key=key)
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"cluster.job() takes a job's id or name (a string), got {key!r}")
+        info = self._remote.call("nbtrain_job", key=key, token=self._remote.operator_token)
+        job_id = str(info["status"]["job_id"])
+        if token is not None or not info["checkpoint_url"]:
+            # This client may be its owner (a token given, or one kept from an earlier
+            # kernel): ask again with it, for what only the owner may read.
+            own = token or self._tokens.get(self.address, job_id)
+            if own:
+                info = self._remote.call("nbtrain_job", key=job_id, token=own)
         handle = self._handle_for(info["status"], spec=info["spec"],
                                   checkpoint_url=info["checkpoint_url"])
         if token is not None:
@@ -167,11 +183,13 @@ class Cluster:
         existing = self._handles.get(job_id)
         if existing is not None:
             return existing
+        own = self._tokens.get(self.address, job_id)
         if spec is None:
-            info = self._remote.call("nbtrain_job", key=job_id)
+            info = self._remote.call("nbtrain_job", key=job_id,
+                                     token=own or self._remote.operator_token)
             spec, checkpoint_url = info["spec"], info["checkpoint_url"]
         handle = JobHandle(JobSpec(**spec), self, checkpoint_url=checkpoint_url, status=status,
-                           token=self._tokens.get(self.address, job_id))
+                           token=own)
         self._handles[job_id] = handle
         return handle
 
@@ -323,7 +341,7 @@ class Cluster:
         tracked = [plain(t) for t in parse_trackers(trackers)]
         reply = self._remote.call(
             "nbtrain_submit", job=submission_to_wire(sub), recipe=payload,
-            settings=s.to_dict(), checkpoint_url=url,
+            settings=s.for_jobs(), checkpoint_url=url,
             restore=list(restore) if restore else None, token=self._remote.operator_token,
             trackers=tracked or None)
         token = str(reply["token"])
@@ -445,12 +463,13 @@ def connect(address: str | Client | None = None, *, n_workers: int | None = None
                 local.scale(n)  # one worker per GPU (EmbeddedCluster.new_worker_spec)
             client = Client(local, set_as_default=False)
         owns = True
-    controller_settings = settings.replace(operator_token=token)
+    controller_settings = settings.replace(operator_token="")
     if local is not None and not settings.state_dir:
         # The embedded cluster ends with this process: its journal starts fresh each time.
         controller_settings = controller_settings.replace(
             state_dir=tempfile.mkdtemp(prefix="nbtrain-state-"))
-    client.register_plugin(ClusterController(controller_settings))
+    client.register_plugin(ClusterController(  # the token stays here; its hash goes there
+        controller_settings, operator_hash=token_hash(token) if token else ""))
     client.register_plugin(NbtrainWorker(quiet=settings.quiet_workers))
     if local is not None:
         client.wait_for_workers(len(local.worker_spec), timeout=120)

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import secrets
 import time
 import traceback
 from collections import deque
@@ -67,6 +68,7 @@ from nbtrain.core.lifecycle_types import (
     WorkerJoined,
     WorkerLeft,
 )
+from nbtrain.core.rankseal import RankSeals
 from nbtrain.core.sched_types import SchedulerConfig
 from nbtrain.engine.assets import PLUGIN_NAME, JobAssets, token_hash
 from nbtrain.engine.inbox import Inbox
@@ -99,8 +101,14 @@ class ClusterController(SchedulerPlugin):
     name = PLUGIN_NAME
     idempotent = True  # a second connect() must not replace the running controller
 
-    def __init__(self, settings: Settings | None = None) -> None:
-        self.settings = settings or Settings.load()
+    def __init__(self, settings: Settings | None = None, *, operator_hash: str | None = None
+                 ) -> None:
+        settings = settings or Settings.load()
+        #: Only the operator token's hash comes here (the token stays in its client).
+        self.operator_hash = (operator_hash if operator_hash is not None
+                              else token_hash(settings.operator_token)
+                              if settings.operator_token else "")
+        self.settings = settings.replace(operator_token="")
 
     # ================================================================== lifecycle
     async def start(self, scheduler: Any) -> None:
@@ -121,8 +129,11 @@ class ClusterController(SchedulerPlugin):
             SchedulerConfig(team_weights=s.team_weight_map(), preempt_grace_s=s.preempt_grace_s,
                             min_resize_interval_s=s.resize_interval_s),
         )
-        self.operator_hash = token_hash(s.operator_token) if s.operator_token else ""
         self.assets: dict[str, JobAssets] = {}
+        self.seals = RankSeals()
+        #: Rank events refused (a wrong seal: not from the generation's ranks), per job.
+        self.refused_events: dict[str, int] = {}
+        self._refusal_logged: dict[str, float] = {}
         self.cluster_log = Tail(2_000)
         self.ended: deque[str] = deque()
         self._news = asyncio.Event()  # set (and replaced) whenever a follower has news
@@ -233,10 +244,8 @@ class ClusterController(SchedulerPlugin):
         from nbtrain.engine.wire import submission_from_wire
 
         sub = submission_from_wire(sj.submission)
-        known = {f.name for f in dataclasses.fields(Settings)}
         assets = JobAssets(
-            spec=sub.spec, recipe=sj.recipe,
-            settings=Settings(**{k: v for k, v in sj.settings.items() if k in known}),
+            spec=sub.spec, recipe=sj.recipe, settings=Settings.from_dict(sj.settings),
             checkpoint_url=sj.checkpoint_url,
             restore=(str(sj.restore[0]), None if sj.restore[1] is None else int(sj.restore[1]))
             if sj.restore else None,
@@ -381,6 +390,7 @@ class ClusterController(SchedulerPlugin):
             # Before the launch task runs, so a request that follows at once is not lost.
             self.assets[c.job_id].control = {"gen": c.generation, "version": 0,
                                              "flags": dict(c.control)}
+            self.seals.open(c.job_id, c.generation, secrets.token_hex(16))
             self._spawn(self._launch(c))
         elif isinstance(c, SetControl):
             held = self.assets.get(c.job_id)
@@ -566,7 +576,7 @@ class ClusterController(SchedulerPlugin):
                 settings=assets.settings, checkpoint=plan,
                 faults=tuple(f for f in c.faults if f.rank == rank), job_info=spec.describe(),
                 control=dict(c.control), halt_on_nonfinite=spec.on_nonfinite == "halt",
-                device=c.device, mesh=c.mesh)
+                device=c.device, mesh=c.mesh, secret=self.seals.secret(c.job_id, c.generation))
             fut = client.submit(
                 run_rank_task, launch, key=f"nbtrain-{c.job_id}-g{c.generation}-r{rank}",
                 workers=[address], allow_other_workers=False, pure=False, retries=0)
@@ -620,6 +630,7 @@ class ClusterController(SchedulerPlugin):
         if assets is None:
             return
         assets.last_ended = max(assets.last_ended, generation)
+        self.seals.close(job_id, generation - 1)  # its own stays open for late messages
         for fut in assets.futures.pop(generation, {}).values():
             with contextlib.suppress(Exception):
                 fut.release()
@@ -650,7 +661,7 @@ class ClusterController(SchedulerPlugin):
 
     # ================================================================== rank events
     def log_event(self, topic: str, msg: Any) -> None:
-        if topic != RANK_TOPIC or not isinstance(msg, Mapping):
+        if topic != RANK_TOPIC or not isinstance(msg, Mapping) or not self._sealed(msg):
             return
         try:
             self._rank_event(msg)
@@ -661,6 +672,26 @@ class ClusterController(SchedulerPlugin):
                 now, wall = self.now()
                 self.put(ControllerFailed(now, wall, job_id, tb))
             logger.error("nbtrain controller: a rank event of job %s failed:\n%s", job_id, tb)
+
+    def _sealed(self, msg: Mapping[str, Any]) -> bool:
+        """Whether a rank event comes from its generation's ranks (``nbtrain.core.rankseal``);
+        others are counted per job and noted in the cluster's log at most every 10 s."""
+        job_id, gen, rank = msg.get("job"), msg.get("gen"), msg.get("rank")
+        if (isinstance(job_id, str) and isinstance(gen, int) and isinstance(rank, int)
+                and self.seals.admits(job_id, gen, rank, msg.get("seq"), str(msg.get("kind")),
+                                      msg.get("seal"))):
+            return True
+        if isinstance(job_id, str) and job_id in self.assets:
+            self.refused_events[job_id] = self.refused_events.get(job_id, 0) + 1
+            now = time.monotonic()
+            if now - self._refusal_logged.get(job_id, -1e18) >= 10.0:
+                self._refusal_logged[job_id] = now
+                self.cluster_log.extend([{
+                    "kind": "refused", "job": job_id, "time": time.time(),
+                    "count": self.refused_events[job_id],
+                    "reason": "rank events not sealed by that job's running generation "
+                              "(sent by another client, or by a rank of an older generation)"}])
+        return False
 
     def _rank_event(self, msg: Mapping[str, Any]) -> None:
         job_id = str(msg.get("job"))
@@ -696,6 +727,9 @@ class ClusterController(SchedulerPlugin):
             old = self.ended.popleft()
             self.machine.forget(old)
             self.assets.pop(old, None)
+            self.seals.forget(old)
+            self.refused_events.pop(old, None)
+            self._refusal_logged.pop(old, None)
 
     def job_ids(self) -> list[str]:
         """Jobs in memory (live, and the newest ended), in submit order."""

@@ -7,8 +7,11 @@ new rows, events and status), ``nbtrain_jobs``, ``nbtrain_job``, ``nbtrain_clust
 is a clear exception on the client, not a traceback in the scheduler's log.
 
 Ownership: ``submit`` returns a random token; a request on a job must carry that token or
-the operator's. This prevents mistakes between the users of a shared cluster, not attacks:
-any Dask client can run arbitrary code on the workers (see the README's security notes).
+the operator's, and reads follow :mod:`nbtrain.engine.access` (results and logs: the owner's
+and the operator's; metrics and status: by the cluster's ``visibility``). Ranks show their
+generation's secret (:mod:`nbtrain.core.rankseal`). This keeps the users of a shared cluster
+apart through nbtrain's own calls; it cannot stop a client that runs code in the scheduler or
+the workers with Dask's own API (see the README's threat model).
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ import secrets
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from nbtrain.config import Settings
+from nbtrain.config import CLIENT_ONLY, Settings
 from nbtrain.core.explain import resume_rejected
 from nbtrain.core.faults import Fault
 from nbtrain.core.job import JobState
 from nbtrain.core.lifecycle_types import Rejected, Request, Submitted
+from nbtrain.core.rankseal import secret_matches
+from nbtrain.engine.access import Role, may_read_metrics, refusal, role_of, shown_status
 from nbtrain.engine.joblog import JobLog
 from nbtrain.engine.wire import error_reply, submission_from_wire
 
@@ -37,6 +42,11 @@ __all__ = ["install"]
 REQUESTS = ("stop", "preempt", "resume", "checkpoint", "inject", "stragglers", "resize")
 #: After the first news, a follower waits this long so rows of all ranks come in one reply.
 FOLLOW_BATCH_S = 0.02
+#: The most jobs one follow call may ask about, and rows it may get per job.
+FOLLOW_JOBS_MAX = 1_000
+FOLLOW_ROWS_MAX = 20_000
+#: Far past any log's end: a cursor there asks for nothing (a part the caller may not read).
+NOTHING = 1 << 62
 
 
 def install(ctl: ClusterController, scheduler: Any) -> None:
@@ -104,8 +114,10 @@ async def submit(ctl: ClusterController, *, job: Mapping[str, Any], recipe: byte
     job_token = secrets.token_hex(16)
     restore_at = ((str(restore[0]), None if restore[1] is None else int(restore[1]))
                   if restore else None)
+    # A client's own values (an older client sent its operator token) stay out of the job.
+    settings = {k: v for k, v in dict(settings).items() if k not in CLIENT_ONLY}
     assets = ctl.assets[spec.job_id] = JobAssets(
-        spec=spec, recipe=bytes(recipe), settings=Settings(**dict(settings)),
+        spec=spec, recipe=bytes(recipe), settings=Settings.from_dict(settings),
         checkpoint_url=checkpoint_url, restore=restore_at, token_hash=token_hash(job_token),
         log=ctl.job_log(spec.job_id))
     if trackers:
@@ -187,12 +199,23 @@ def apply_request(ctl: ClusterController, job_id: str, what: str, arg: Any = Non
 
 
 async def follow(ctl: ClusterController, *, cursors: Mapping[str, list[int]],
-                 timeout: float = 2.0, max_rows: int = 20_000) -> dict[str, Any]:
+                 timeout: float = 2.0, max_rows: int = FOLLOW_ROWS_MAX, token: str = "",
+                 tokens: Mapping[str, str] | None = None) -> dict[str, Any]:
     """New rows, events and output lines of the followed jobs (cursors: positions of the
     next row, event and line; a negative row cursor -n: the newest n rows), and their
     status. Returns as soon as any has news (after a short pause that batches what arrives
-    together), or after ``timeout`` seconds with the statuses alone."""
-    cursors = {jid: _from_newest(ctl, jid, list(c)) for jid, c in cursors.items()}
+    together), or after ``timeout`` seconds with the statuses alone.
+
+    ``tokens``: the caller's token per job, ``token`` its operator token: what it may read
+    of each job (:mod:`nbtrain.engine.access`); ``refused`` in a job's reply names what it
+    may not, and why."""
+    cursors = _checked_cursors(cursors)
+    tokens = dict(tokens or {})
+    roles = {jid: _role(ctl, jid, tokens.get(jid) or token) for jid in cursors}
+    cursors = {jid: _readable(ctl, roles[jid], _from_newest(ctl, jid, c))
+               for jid, c in cursors.items()}
+    max_rows = max(0, min(int(max_rows), FOLLOW_ROWS_MAX))
+    timeout = min(float(timeout), 60.0)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + max(0.0, float(timeout))
     while True:
@@ -219,14 +242,61 @@ async def follow(ctl: ClusterController, *, cursors: Mapping[str, list[int]],
         if assets is None or status is None:
             out[jid] = {"gone": True}
             continue
-        rows_from, events_from, *rest = cursor
-        update = assets.log.since(rows_from, events_from, max_rows, *rest[:1])
+        role = roles[jid] or role_of(ctl, jid, tokens.get(jid) or token)  # (read back)
+        rows_from, events_from, output_from = _readable(ctl, role, cursor)
+        update = assets.log.since(rows_from, events_from, max_rows, output_from)
         await _older_from_store(ctl, jid, assets.log, update,
                                 {"rows": rows_from, "events": events_from,
-                                 "output": rest[0] if rest else 0}, max_rows)
-        update["status"] = status
+                                 "output": output_from}, max_rows)
+        _withhold(ctl, role, status, update)
+        update["status"] = shown_status(ctl, status, role)
         out[jid] = update
     return {"jobs": out}
+
+
+def _checked_cursors(cursors: object) -> dict[str, list[int]]:
+    """A follow call's cursors, or TypeError/ValueError saying what is wrong (bounded)."""
+    if not isinstance(cursors, Mapping):
+        raise TypeError(f"cursors must map job ids to positions, got {type(cursors).__name__}")
+    if len(cursors) > FOLLOW_JOBS_MAX:
+        raise ValueError(f"a follow call may ask about at most {FOLLOW_JOBS_MAX:,} jobs, got "
+                         f"{len(cursors):,}")
+    out: dict[str, list[int]] = {}
+    for jid, cursor in cursors.items():
+        if (not isinstance(cursor, list | tuple) or not 2 <= len(cursor) <= 3
+                or not all(isinstance(c, int) and not isinstance(c, bool) for c in cursor)):
+            raise TypeError(f"the cursor of job {jid!r} must be 2 or 3 integers (rows, events, "
+                            f"output), got {cursor!r}")
+        out[str(jid)] = [*cursor, 0][:3]
+    return out
+
+
+def _role(ctl: ClusterController, job_id: str, token: object) -> Role | None:
+    """The caller's role for a job in memory (None: not in memory now)."""
+    return role_of(ctl, job_id, token) if job_id in ctl.assets else None
+
+
+def _readable(ctl: ClusterController, role: Role | None, cursor: list[int]) -> list[int]:
+    """``cursor`` with the parts the caller may not read moved past any end."""
+    rows, events, output = cursor
+    if role is Role.OTHER:
+        output = NOTHING
+        if not may_read_metrics(ctl, role):
+            rows = events = NOTHING
+    return [rows, events, output]
+
+
+def _withhold(ctl: ClusterController, role: Role, status: Mapping[str, Any],
+              update: dict[str, Any]) -> None:
+    """Drop from a follow reply what the caller may not read, and say why."""
+    if role is not Role.OTHER:
+        return
+    hidden = ["output"] if may_read_metrics(ctl, role) else ["rows", "events", "output"]
+    for part in hidden:
+        for key in (part, f"{part}_at", f"{part}_end"):
+            update.pop(key, None)
+    what = {"rows": "metrics", "events": "events", "output": "logs"}
+    update["refused"] = {part: str(refusal(status, what[part])) for part in hidden}
 
 
 def _from_newest(ctl: ClusterController, job_id: str, cursor: list[int]) -> list[int]:
@@ -252,14 +322,30 @@ async def _older_from_store(ctl: ClusterController, job_id: str, log: JobLog,
             update[table] = [tuple(x) for x in items] if table == "rows" else items
 
 
-async def jobs(ctl: ClusterController) -> dict[str, Any]:
-    listing = [ctl.job_status(jid) for jid in ctl.job_ids()]
-    return {"jobs": [s for s in listing if s is not None]}
+async def jobs(ctl: ClusterController, *, token: str = "",
+               tokens: Mapping[str, str] | None = None) -> dict[str, Any]:
+    return {"jobs": _listing(ctl, token, tokens)}
 
 
-async def job(ctl: ClusterController, *, key: str) -> dict[str, Any]:
+def _listing(ctl: ClusterController, token: str = "",
+             tokens: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """Every job in memory as the caller may see it (``tokens``: its token per job)."""
+    tokens = tokens if isinstance(tokens, Mapping) else {}
+    out = []
+    for jid in ctl.job_ids():
+        status = ctl.job_status(jid)
+        if status is not None:
+            out.append(shown_status(ctl, status, role_of(ctl, jid, tokens.get(jid) or token)))
+    return out
+
+
+async def job(ctl: ClusterController, *, key: str, token: str = "") -> dict[str, Any]:
     """One job by id, or the newest job of that name: what a client needs to attach
-    (an old ended job is read back from the journal)."""
+    (an old ended job is read back from the journal). Where its checkpoints are only for
+    its owner and the operator."""
+    if not isinstance(key, str) or not key or len(key) > 200:
+        raise ValueError(f"a job is named by its id or name (a string of 1 to 200 "
+                         f"characters), got {key!r}")
     ids = ctl.job_ids()
     if key not in ids:
         named = [jid for jid in ids if ctl.assets.get(jid) and ctl.assets[jid].spec.name == key]
@@ -277,33 +363,39 @@ async def job(ctl: ClusterController, *, key: str) -> dict[str, Any]:
     assets = ctl.assets[key]
     from nbtrain.engine.wire import plain
 
-    return {"job_id": key, "spec": plain(assets.spec), "checkpoint_url": assets.checkpoint_url,
-            "status": ctl.job_status(key)}
+    role = role_of(ctl, key, token)
+    status = ctl.job_status(key) or {}
+    return {"job_id": key, "spec": plain(assets.spec),
+            "checkpoint_url": "" if role is Role.OTHER else assets.checkpoint_url,
+            "status": shown_status(ctl, status, role)}
 
 
-async def result(ctl: ClusterController, *, job_id: str) -> dict[str, Any]:
+async def result(ctl: ClusterController, *, job_id: str, token: str = "") -> dict[str, Any]:
     """A training function's return value on rank 0 (pickled bytes, None if it returned
-    nothing), or why there is none."""
-    _known(ctl, job_id)
+    nothing), or why there is none: for the job's owner and the operator only."""
+    status = _known(ctl, job_id)
+    if role_of(ctl, job_id, token) is Role.OTHER:
+        raise refusal(status, "result")
     assets = ctl.assets[job_id]
     if assets.final is not None and assets.result is None and assets.result_error is None:
         assets.result, assets.result_error = await asyncio.to_thread(ctl.store.result, job_id)
     return {"result": assets.result, "error": assets.result_error}
 
 
-async def cluster(ctl: ClusterController, *, log_from: int = 0) -> dict[str, Any]:
-    return cluster_snapshot(ctl, log_from)
+async def cluster(ctl: ClusterController, *, log_from: int = 0, token: str = "",
+                  tokens: Mapping[str, str] | None = None) -> dict[str, Any]:
+    return cluster_snapshot(ctl, int(log_from), token, tokens)
 
 
-def cluster_snapshot(ctl: ClusterController, log_from: int = 0) -> dict[str, Any]:
-    """Slots, queue, jobs, team usage and the cluster's log (what ``Cluster.snapshot()``
-    and the class view show)."""
+def cluster_snapshot(ctl: ClusterController, log_from: int = 0, token: str = "",
+                     tokens: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Slots, queue, jobs (as the caller may see them), team usage and the cluster's log
+    (what ``Cluster.snapshot()`` and the class view show)."""
     queue = [] if ctl.machine.sched is None else ctl.machine.sched.queued()
     at, log = ctl.cluster_log.since(log_from, 1_000)
-    listing = [ctl.job_status(jid) for jid in ctl.job_ids()]
     return {"slots": [_with_labels(ctl, s) for s in ctl.machine.slots()], "queue": queue,
             "pending_workers": ctl.pending_workers,
-            "jobs": [s for s in listing if s is not None],
+            "jobs": _listing(ctl, token, tokens),
             "team_usage": ctl.machine.team_usage(),
             "log_at": at, "log": log, "decision_ms": _decision_ms(ctl)}
 
@@ -368,11 +460,20 @@ def _decision_ms(ctl: ClusterController) -> dict[str, Any]:
 # ====================================================================== ranks
 async def rendezvous(ctl: ClusterController, *, job_id: str, generation: int, rank: int,
                      host: str | None = None, port: int | None = None,
-                     timeout: float = 60.0) -> dict[str, Any]:
-    """Rank 0 publishes its store's address; the other ranks wait for it."""
+                     timeout: float = 60.0, secret: str = "") -> dict[str, Any]:
+    """Rank 0 publishes its store's address; the other ranks wait for it. Only the
+    generation's own ranks (they show its secret) take part."""
     assets = ctl.assets.get(job_id)
     if assets is None:
         raise LookupError(f"no job {job_id!r}")
+    expected = ctl.seals.secret(job_id, generation)
+    if not expected:
+        raise LookupError(f"generation {generation} of job {job_id} is not running")
+    if not secret_matches(secret, expected):
+        raise PermissionError(f"the rendezvous of job {job_id} generation {generation} is for "
+                              "that generation's ranks only (the secret they were launched "
+                              "with does not match)")
+    timeout = min(float(timeout), 3600.0)
     if rank == 0:
         assets.rendezvous[generation] = {"host": host, "port": port}
         ctl.wake_rendezvous()
@@ -392,9 +493,14 @@ async def rendezvous(ctl: ClusterController, *, job_id: str, generation: int, ra
 
 
 async def control(ctl: ClusterController, *, job_id: str, generation: int, version: int,
-                  timeout: float = 1.0) -> dict[str, Any]:
+                  timeout: float = 1.0, secret: str = "") -> dict[str, Any]:
     """The generation's control flags once they differ from ``version`` (or after
-    ``timeout``); ``ended`` when the generation is over."""
+    ``timeout``); ``ended`` when the generation is over. For its own ranks only."""
+    expected = ctl.seals.secret(job_id, generation)
+    if expected and not secret_matches(secret, expected):
+        raise PermissionError(f"the control flags of job {job_id} generation {generation} are "
+                              "for that generation's ranks only")
+    timeout = min(float(timeout), 60.0)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:

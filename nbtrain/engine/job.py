@@ -83,6 +83,9 @@ class JobHandle:
         self._following = False
         self._problem: str | None = None
         self._unreachable_since: float | None = None
+        #: What the controller will not show this client of the job ("rows", "events",
+        #: "output"), with why (``nbtrain.engine.access``).
+        self._refused: dict[str, str] = {}
         self.submitted_at = float(self._status.get("submitted") or time.time())
         if follow:
             self._follow()
@@ -111,6 +114,34 @@ class JobHandle:
     @property
     def owner(self) -> str:
         return str(self._get("owner", ""))
+
+    @property
+    def hidden(self) -> str:
+        """Why this client sees only the scheduling facts of the job (its step, metrics,
+        events and errors are its owner's: the cluster's ``visibility="owner"``); "" when it
+        sees them."""
+        return str(self._get("hidden", ""))
+
+    def follow_token(self) -> str:
+        """(for the cluster's follower) What this handle shows the controller: the job's
+        token, else the client's operator token."""
+        return self._cluster.credential(self._token) if self._cluster is not None else ""
+
+    def _readable(self, part: str) -> None:
+        """PermissionError naming the job, its owner and the fix, when the controller does
+        not show this client ``part`` ("rows", "events", "output") of the job."""
+        with self._lock:
+            why = self._refused.get(part)
+        if why:
+            raise PermissionError(why)
+
+    def _checkpoint_location(self) -> str:
+        if not self._checkpoint_url and self._cluster is not None:
+            raise PermissionError(
+                f"job {self.name} ({self.id}) belongs to {self.owner or 'another client'}: "
+                "where its checkpoints are is known only to the handle that submitted it, a "
+                "client holding its token (cluster.job(name, token=...)), or the operator")
+        return self._checkpoint_url
 
     # -- state (read from any thread) ---------------------------------------------------
     def _get(self, key: str, default: Any = None) -> Any:
@@ -205,6 +236,7 @@ class JobHandle:
         """Non-step events (ranks started/finished/failed, state changes, checkpoints,
         faults, stragglers), oldest first."""
         self._follow()
+        self._readable("events")
         with self._lock:
             return list(self._events.items)
 
@@ -214,6 +246,7 @@ class JobHandle:
         whole run: rows older than the handle keeps come from the controller's journal).
         Built once and extended with new rows on later reads."""
         self._follow()
+        self._readable("rows")
         with self._lock:
             end, base = self._rows.end, self._rows.base
             frame, frame_end = self._frame, self._frame_end
@@ -245,7 +278,8 @@ class JobHandle:
         while pos < stop:
             try:
                 reply = self._cluster.rpc(
-                    "nbtrain_follow", cursors={self.id: [pos, 1 << 62, 1 << 62]}, timeout=0)
+                    "nbtrain_follow", cursors={self.id: [pos, 1 << 62, 1 << 62]}, timeout=0,
+                    tokens={self.id: self.follow_token()})
             except Exception as exc:
                 _log.warning("nbtrain: job %s: rows %d-%d could not be read from the "
                              "controller (%s)", self.name, pos, stop, exc)
@@ -290,6 +324,7 @@ class JobHandle:
         from nbtrain.runtime.output import format_lines
 
         self._follow()
+        self._readable("output")
         with self._lock:
             records = [o for o in self._output.items if rank is None or o["rank"] == rank]
         return format_lines(records[-tail:] if tail else records)
@@ -398,15 +433,16 @@ class JobHandle:
 
     @property
     def checkpoint_dir(self) -> str:
-        """This job's checkpoint directory (local path or fsspec URL)."""
-        return self._checkpoint_url
+        """This job's checkpoint directory (local path or fsspec URL): for its owner and
+        the operator."""
+        return self._checkpoint_location()
 
     @property
     def checkpoints(self) -> list[dict[str, Any]]:
         """Committed checkpoints of this job, newest first: step, bytes, created, url."""
         from nbtrain.engine.checkpoints import committed_checkpoints
 
-        return committed_checkpoints(self._checkpoint_url)
+        return committed_checkpoints(self._checkpoint_location())
 
     def state_dict(self, step: int | str = "latest") -> dict[str, Any]:
         """The job's tracked state from its newest (or ``step``'s) committed checkpoint, as
@@ -463,7 +499,7 @@ class JobHandle:
             return self
         if self._cluster is None:
             raise RuntimeError(f"job {self.name}: this handle is not attached to a cluster")
-        reply = self._cluster.rpc("nbtrain_result", job_id=self.id)
+        reply = self._cluster.rpc("nbtrain_result", job_id=self.id, token=self.follow_token())
         if reply.get("error"):
             raise JobFailedError(f"job {self.name} succeeded but its result did not come back: "
                                  f"{reply['error']}")
@@ -522,7 +558,8 @@ class JobHandle:
         self._following = True
         # Rows: only the newest window (a negative cursor); older ones are read on demand.
         reply = self._cluster.rpc(
-            "nbtrain_follow", cursors={self.id: [-self._rows.keep, 0, 0]}, timeout=0)
+            "nbtrain_follow", cursors={self.id: [-self._rows.keep, 0, 0]}, timeout=0,
+            tokens={self.id: self.follow_token()})
         update = reply["jobs"].get(self.id)
         if update is not None:
             self.follow_update(update)
@@ -581,6 +618,7 @@ class JobHandle:
                                  [dict(o) for o in output])
             if "status" in update:
                 self._status = dict(update["status"])
+            self._refused = {str(k): str(v) for k, v in dict(update.get("refused") or {}).items()}
             drained = (self._rows.end >= int(update.get("rows_end", self._rows.end))
                        and self._events.end >= int(update.get("events_end", self._events.end)))
             terminal = JobState(self._status.get("state", "QUEUED")).terminal
@@ -609,8 +647,9 @@ class JobHandle:
         state = self.status.value
         if self.unreachable_since is not None:
             state = f"{state}? (controller unreachable)"
-        return (f"<JobHandle {self.name} {state} step {self.spec.progress(self.step)} "
-                f"world_size={self.spec.world_size}: {self.reason}>")
+        step = "(hidden)" if self.hidden else self.spec.progress(self.step)
+        return (f"<JobHandle {self.name} {state} step {step} "
+                f"world_size={self.spec.world_size}: {self.hidden or self.reason}>")
 
     def _repr_html_(self) -> str:
         import html

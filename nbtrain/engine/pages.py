@@ -5,6 +5,9 @@
   read-only;
 - ``/individual-nbtrain-cluster``: the class view (:mod:`nbtrain.ui.clusterpage`).
 
+On a cluster with ``visibility="owner"`` a job's page needs its ticket, and the class view
+shows every job as the scheduling facts only (:mod:`nbtrain.engine.access`).
+
 They run in the scheduler's process, on its event loop, next to the controller, and read the
 job logs there: they stay live whatever the notebook kernels are doing (busy, dead,
 restarted). Their names start with ``individual-`` so dask-labextension lists them among the
@@ -60,6 +63,16 @@ def job_document(scheduler: Any, extra: Mapping[str, Any], doc: Any) -> None:
     if not job_id or job_id not in ctl.assets:
         doc.title = "nbtrain jobs"
         doc.add_root(Div(text=_job_list_html(ctl, job_id), name="nbtrain-job-list"))
+        return
+    if ctl.settings.visibility == "owner" and not check_ticket(ctl, job_id, ticket):
+        from nbtrain.engine.access import refusal
+
+        doc.title = "nbtrain: not yours"
+        status = ctl.job_status(job_id) or {"name": job_id, "job_id": job_id}
+        doc.add_root(Div(text=f"<b>{html.escape(str(refusal(status, 'page')))}</b> (this "
+                              "cluster's visibility is 'owner'): open it with "
+                              "job.dashboard() in the owner's notebook",
+                         name="nbtrain-refused"))
         return
     from nbtrain.ui.jobpage import JobPage
 

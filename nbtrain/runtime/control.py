@@ -38,7 +38,7 @@ class ControlChannel:
 
     def __init__(self, job_id: str, rank: int, generation: int, client: Client,
                  retry_s: float, device: torch.device,
-                 initial: Mapping[str, int] | None = None) -> None:
+                 initial: Mapping[str, int] | None = None, secret: str = "") -> None:
         self._requested = torch.zeros(len(FLAGS), dtype=torch.int64)
         # Flags, then the negated interval proposal (MAX of negatives = MIN of proposals).
         self._agreed = torch.zeros(len(FLAGS) + 1, dtype=torch.int64, device=device)
@@ -49,7 +49,7 @@ class ControlChannel:
         self._set(initial or {})
         if rank == 0:
             self._thread = threading.Thread(
-                target=self._follow, args=(client, job_id, generation, retry_s),
+                target=self._follow, args=(client, job_id, generation, retry_s, secret),
                 name="nbtrain-control", daemon=True)
             self._thread.start()
 
@@ -58,13 +58,15 @@ class ControlChannel:
             for i, flag in enumerate(FLAGS[:-1]):
                 self._requested[i] = int(flags.get(flag, 0))
 
-    def _follow(self, client: Client, job_id: str, generation: int, retry_s: float) -> None:
+    def _follow(self, client: Client, job_id: str, generation: int, retry_s: float,
+                secret: str) -> None:
         version = 0
         while not self._stop.is_set():
             try:
                 reply: Any = client.sync(client.scheduler.nbtrain_control,  # type: ignore[union-attr]
                                          job_id=job_id,
                                          generation=generation, version=version,
+                                         secret=secret,
                                          timeout=POLL_TIMEOUT_S,
                                          callback_timeout=POLL_TIMEOUT_S + 30)
             except Exception:  # the scheduler is busy or restarting: ask again soon

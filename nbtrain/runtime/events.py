@@ -16,20 +16,22 @@ from typing import Any
 from distributed import get_worker
 
 from nbtrain.core.jobevents import rank_event
+from nbtrain.core.rankseal import seal
 from nbtrain.core.records import ROW_COLUMNS
 
 #: Column order of one step row (a list, to keep messages small); defined in core.records.
 STEP_COLUMNS = ROW_COLUMNS
 #: The Dask event topic of every rank's events.
 RANK_TOPIC = "nbtrain-ranks"
-_OWN_FIELDS = frozenset({"kind", "job", "rank", "gen", "time"})
+_OWN_FIELDS = frozenset({"kind", "job", "rank", "gen", "time", "seq", "seal"})
 
 
 class EventEmitter:
-    """Batches step rows and sends other events at once, on one job's topic."""
+    """Batches step rows and sends other events at once, on one job's topic; each event
+    is numbered and sealed with the generation's secret (:mod:`nbtrain.core.rankseal`)."""
 
     def __init__(self, job_id: str, rank: int, generation: int, *, flush_s: float,
-                 batch_max: int) -> None:
+                 batch_max: int, secret: str = "") -> None:
         self.job_id = job_id
         self.topic = RANK_TOPIC
         self.rank = rank
@@ -40,6 +42,8 @@ class EventEmitter:
         self._lock = threading.Lock()  # the checkpoint writer thread emits too
         self._last_flush = time.monotonic()
         self._worker = get_worker()
+        self._secret = secret
+        self._seq = 0
 
     def step(self, row: list[Any]) -> None:
         with self._lock:
@@ -74,6 +78,8 @@ class EventEmitter:
     def _send(self, kind: str, info: dict[str, Any]) -> None:
         # The emitter's own fields win (a checkpoint writer's info repeats the rank).
         extra = {k: v for k, v in info.items() if k not in _OWN_FIELDS}
+        seq, self._seq = self._seq, self._seq + 1  # under the lock
         self._worker.log_event(self.topic, rank_event(
             kind, job=self.job_id, rank=self.rank, gen=self.generation, time=time.time(),
+            seq=seq, seal=seal(self._secret, self.job_id, self.generation, self.rank, seq, kind),
             **extra))

@@ -59,3 +59,6 @@ class RankLaunch:
     halt_on_nonfinite: bool = False
     #: The generation's device mesh and where each rank runs (None: one "dp" dimension).
     mesh: MeshPlan | None = None
+    #: The generation's secret (``nbtrain.core.rankseal``): the rank seals its events with
+    #: it and shows it at the rendezvous and the control long-poll.
+    secret: str = field(default="", repr=False)

@@ -52,7 +52,8 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
     host = get_address_host(worker.address)
     settings = launch.settings
     emitter = EventEmitter(launch.job_id, launch.rank, launch.generation,
-                           flush_s=settings.event_flush_s, batch_max=settings.event_batch_max)
+                           flush_s=settings.event_flush_s, batch_max=settings.event_batch_max,
+                           secret=launch.secret)
     threads = settings.rank_threads or max(1, (os.cpu_count() or 1) // max(1, launch.host_slots))
     torch.set_num_threads(threads)
     device = _device(launch.device)
@@ -74,7 +75,8 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
         ctx._mesh = build_device_mesh(mesh_plan, device)
         emitter.emit("phase", phase="setup")  # for the controller's startup watchdog
         control = ControlChannel(launch.job_id, launch.rank, launch.generation, client,
-                                 settings.control_poll_s, device, initial=launch.control)
+                                 settings.control_poll_s, device, initial=launch.control,
+                                 secret=launch.secret)
         work = cloudpickle.loads(launch.recipe)
         if launch.checkpoint is not None:
             ckpt = RankCheckpointing(
@@ -260,7 +262,7 @@ def _init_process_group(launch: RankLaunch, host: str, device: torch.device,
     def rendezvous(**kwargs: Any) -> dict[str, Any]:
         reply: dict[str, Any] = client.sync(
             client.scheduler.nbtrain_rendezvous, job_id=launch.job_id,
-            generation=launch.generation, rank=launch.rank,
+            generation=launch.generation, rank=launch.rank, secret=launch.secret,
             timeout=settings.rendezvous_timeout_s,
             callback_timeout=settings.rendezvous_timeout_s + 30, **kwargs)
         if not reply.get("ok"):
