@@ -253,12 +253,22 @@ def parallel_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> dict[str
 
 
 def bad_rows_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> None:
-    """Sends the controller step rows it cannot read (a step that is not a number), then
-    waits to be stopped: the controller must fail this job alone."""
+    """Sends the controller step rows it cannot read (a step that is not a number), sealed
+    as its own rank's (a rank bug, not a forgery), then waits to be stopped: the controller
+    must fail this job alone."""
+    import gc
+
     from distributed import get_worker
 
+    from nbtrain.core.rankseal import seal
+
+    launch = next(o for o in gc.get_objects() if type(o).__name__ == "RankLaunch"
+                  and o.job_id == ctx.job_id and o.generation == ctx.generation)
+    seq = 1 << 40  # past every number the rank's own emitter will use
     get_worker().log_event("nbtrain-ranks", {
         "kind": "steps", "job": ctx.job_id, "gen": ctx.generation, "rank": ctx.rank,
+        "seq": seq, "seal": seal(launch.secret, ctx.job_id, ctx.generation, ctx.rank, seq,
+                                 "steps"),
         "rows": [["not-a-step", 0.0, 0.01, 0.0, 0.01, 0.0, 0.0]]})
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -292,3 +302,16 @@ def data_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> Any:
     return {"loss": 0.25, "steps": [1, 2, 3], "name": "ok", "tags": {"a", "b"},
             "state": OrderedDict(w=torch.arange(4.0, dtype=torch.float64)),
             "array": np.arange(3), "pair": (1.5, None)}
+
+
+def launch_secrets_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> dict[str, Any]:
+    """What a rank could find of the cluster's secrets: the operator token in every launch
+    this process holds, and its whole environment (the test looks for the token there)."""
+    import gc
+
+    launches = [o for o in gc.get_objects() if type(o).__name__ == "RankLaunch"]
+    print(f"rank {ctx.rank} holds {len(launches)} launch(es)")
+    for _ in ctx.batches(regression_data(), global_batch_size=32):
+        ctx.report(loss=1.0)
+    return {"launch_tokens": [o.settings.operator_token for o in launches],
+            "launches": len(launches), "environ": dict(os.environ)}

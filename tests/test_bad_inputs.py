@@ -1,6 +1,10 @@
-"""Bad inputs are refused where they enter, with the value and the fix; nothing of them
-reaches the cluster, and the next normal job runs (the start of the shared-cluster issue's
-bad-input suite: names and paths, NaN, types)."""
+"""The shared-cluster issue's bad-input suite: 80-odd bad inputs through the public API, the
+handlers (as a client of another version would send them) and the magics: names and paths,
+NaN and infinity, wrong types, negative and huge values, unicode, wrong-owner calls and
+forged tokens. Each is refused where it enters with the value and the fix; nothing of it
+reaches the cluster, no slot is left held, the controller keeps serving and the next normal
+job runs. (Forged rank events and rendezvous: ``test_read_ownership``; settings:
+``test_settings``.)"""
 
 from __future__ import annotations
 
@@ -121,3 +125,124 @@ def test_detector_settings_that_would_allocate_without_bound_are_refused(
     assert not job.status.terminal
     job.stop()
     assert job.wait(120) is JobState.CANCELLED
+
+
+@pytest.mark.parametrize("call, words", [
+    ({"op": "nbtrain_follow", "cursors": {f"j{i}": [0, 0] for i in range(5_000)}},
+     "at most 1,000 jobs"),
+    ({"op": "nbtrain_follow", "cursors": {"x": "everything"}}, "must be 2 or 3 integers"),
+    ({"op": "nbtrain_follow", "cursors": {"x": [0, 0, 0, 0, 0]}}, "must be 2 or 3 integers"),
+    ({"op": "nbtrain_follow", "cursors": ["x"]}, "cursors must map job ids"),
+    ({"op": "nbtrain_job", "key": "x" * 10_000}, "a string of 1 to 200 characters"),
+    ({"op": "nbtrain_job", "key": 42}, "a string of 1 to 200 characters"),
+    ({"op": "nbtrain_request", "job_id": "nosuchjob", "what": "stop"}, "no job 'nosuchjob'"),
+    ({"op": "nbtrain_result", "job_id": "nosuchjob"}, "no job 'nosuchjob'"),
+    ({"op": "nbtrain_rendezvous", "job_id": "nosuchjob", "generation": 0, "rank": 0},
+     "no job 'nosuchjob'"),
+])
+def test_malformed_calls_from_any_client_are_refused_and_the_controller_serves_on(
+        free_cluster: nbtrain.Cluster, call: dict[str, Any], words: str) -> None:
+    """What a client of another version (or a hostile one) could send the handlers: a clear
+    refusal, never a controller error, an allocation without bound or a hang."""
+    op = call.pop("op")
+    with pytest.raises((ValueError, TypeError, LookupError), match=words):
+        free_cluster.rpc(op, **call)
+    assert free_cluster.snapshot()["slots"]  # still serving
+
+
+@pytest.mark.parametrize("settings, words", [
+    ({"event_batch_max": 10**9}, "event_batch_max must be an integer from 1 to 100,000"),
+    ({"checkpoint_commit_timeout_s": float("nan")}, "must be a finite number of seconds"),
+    ({"checkpoint_keep": -1}, "checkpoint_keep must be an integer from 1"),
+    ({"quiet_workers": "yes"}, "quiet_workers must be True or False"),
+])
+def test_job_settings_an_older_client_sends_are_checked_by_the_controller(
+        free_cluster: nbtrain.Cluster, tmp_path: Any, settings: dict[str, Any],
+        words: str) -> None:
+    from nbtrain.core.lifecycle_types import JobSubmission
+    from nbtrain.engine.wire import submission_to_wire
+
+    wire = submission_to_wire(JobSubmission(spec=JobSpec(job_id="forged02", name="ok",
+                                                         world_size=1, steps=5)))
+    before = [j.id for j in free_cluster.jobs]
+    with pytest.raises(ValueError, match=words):
+        free_cluster.rpc("nbtrain_submit", job=wire, recipe=b"", settings=settings,
+                         checkpoint_url=str(tmp_path / "ck"), restore=None, token="",
+                         trackers=None)
+    assert [j.id for j in free_cluster.jobs] == before
+    assert len(free_cluster.free_slots) == 2
+
+
+def test_bad_control_calls_are_refused_in_the_client_and_by_the_controller(
+        free_cluster: nbtrain.Cluster) -> None:
+    job = free_cluster.submit(Regression(step_sleep=0.02), world_size=1, steps=10**6,
+                              name="controlled", min_size=1, max_size=2)
+    try:
+        for n in (True, 2.5, "2", None):
+            with pytest.raises(TypeError, match="must be an integer"):
+                job.resize(n)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match="must be an integer"):  # by hand, too
+                free_cluster.rpc("nbtrain_request", job_id=job.id, what="resize",
+                                 arg={"size": n}, token=job.token)
+        with pytest.raises(ValueError, match=r"may run with 1 to 2 ranks"):
+            job.resize(3)
+        with pytest.raises(ValueError, match="unknown request 'explode'"):
+            free_cluster.rpc("nbtrain_request", job_id=job.id, what="explode",
+                             token=job.token)
+        with pytest.raises((ValueError, TypeError)):
+            free_cluster.rpc("nbtrain_request", job_id=job.id, what="inject",
+                             arg={"kind": "meteor", "rank": -3}, token=job.token)
+        with pytest.raises(ValueError):
+            job.inject("meteor", rank=0)
+        assert not job.status.terminal and not job.faults
+    finally:
+        job.stop()
+        assert job.wait(120) is JobState.CANCELLED
+    assert len(free_cluster.free_slots) == 2
+
+
+def test_a_strangers_steering_is_refused_with_the_owner_and_the_fix(
+        free_cluster: nbtrain.Cluster) -> None:
+    job = free_cluster.submit(Regression(step_sleep=0.02), world_size=1, steps=10**6,
+                              name="not-yours", min_size=1, max_size=2)
+    stranger = nbtrain.connect(free_cluster.address,
+                               settings=nbtrain.Settings.load(token_file=""), operator_token="")
+    try:
+        theirs = stranger.job("not-yours")
+        for act in (theirs.stop, theirs.preempt, theirs.checkpoint,
+                    lambda: theirs.resize(2), lambda: theirs.tune_stragglers(window=10),
+                    lambda: theirs.inject("kill", rank=0)):
+            with pytest.raises(PermissionError, match=r"job not-yours \(.*\) belongs to"):
+                act()
+        assert not job.status.terminal and job.size == 1 and not job.faults
+    finally:
+        stranger.close()
+        job.stop()
+        assert job.wait(120) is JobState.CANCELLED
+
+
+def test_bad_input_through_the_magics_is_one_line_and_nothing_runs(
+        free_cluster: nbtrain.Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "nbtrain")
+    shell.user_ns["cl"] = free_cluster
+    before = [j.id for j in free_cluster.jobs]
+    try:
+        for line, words in (("status ../../etc --cluster cl", "no job with id or name"),
+                            ("stop '' --cluster cl", "needs a job's name or id"),
+                            ("preempt " + "x" * 500 + " --cluster cl", "1 to 200 characters"),
+                            ("attach ünï --cluster cl", "no job with id or name"),
+                            ("connect --workers -1 --as cl2", "n_workers must be >= 1"),
+                            ("status x --cluster nosuch", "no cluster in `nosuch`"),
+                            ("jobs --cluster cl --workers", "expected one argument")):
+            capsys.readouterr()
+            assert shell.run_line_magic("nbtrain", line) is None
+            out = capsys.readouterr().out
+            assert out.startswith("%nbtrain: ") and words in out, (line, out)
+    finally:
+        shell.user_ns.pop("cl", None)
+        shell.user_ns.pop("cl2", None)
+    assert [j.id for j in free_cluster.jobs] == before
+    assert len(free_cluster.free_slots) == 2

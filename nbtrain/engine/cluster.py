@@ -171,6 +171,10 @@ class Cluster:
             own = token or self._tokens.get(self.address, job_id)
             if own:
                 info = self._remote.call("nbtrain_job", key=job_id, token=own)
+            held = self._handles.get(job_id)
+            if token is not None and held is not None and held.token != token:
+                # A handle that watched without the token saw less: start a fresh one.
+                del self._handles[job_id]
         handle = self._handle_for(info["status"], spec=info["spec"],
                                   checkpoint_url=info["checkpoint_url"])
         if token is not None:

@@ -406,6 +406,17 @@ class JobHandle:
         cluster's slots is refused unless ``wait_for_workers=True`` (then the job grows
         when workers join). Events ``resize`` (phase requested/waiting/started/done) follow
         it; raises ValueError with the bounds for a size the job may not have."""
+        if not isinstance(n, int) or isinstance(n, bool):
+            raise TypeError(f"resize(n): n must be an integer number of ranks, got {n!r}")
+        from nbtrain.core.explain import resize_rejected
+
+        # The bounds are known here: refused before anything is sent (the machine checks
+        # again, with the cluster's size).
+        why = resize_rejected(name=self.name, resizable=self.spec.resizable,
+                              world_size=self.spec.world_size, bounds=self.size_bounds, size=n,
+                              total=n, unit="slots", wait_for_workers=True)
+        if why:
+            raise ValueError(why)
         self._request("resize", {"size": n, "wait_for_workers": wait_for_workers})
 
     def checkpoint(self) -> None:
