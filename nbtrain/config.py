@@ -139,6 +139,9 @@ class Settings:
     #: embedded cluster uses a fresh temporary one). On Kubernetes mount a persistent volume
     #: here; on Slurm/HPC use a path on the scheduler's node (or a shared file system).
     state_dir: str = ""
+    #: Most jobs that may be queued, held or running at once (every client together): a
+    #: submit beyond is refused, so no client can fill the controller's memory with jobs.
+    jobs_max: int = 10_000
     #: Ended jobs the controller keeps in memory (for ``cluster.jobs`` and reattaching);
     #: older ones are read from the state directory.
     jobs_kept: int = 200
@@ -264,7 +267,8 @@ CHOICES: dict[str, tuple[str, ...]] = {"visibility": ("all", "owner")}
 #: Upper bounds: a value above them is a typo or an attempt to exhaust the controller (a
 #: client's settings travel with its jobs).
 MAXIMA: dict[str, float] = {
-    "event_batch_max": 100_000, "checkpoint_keep": 10_000, "jobs_kept": 1_000_000,
+    "event_batch_max": 100_000, "jobs_max": 1_000_000, "checkpoint_keep": 10_000,
+    "jobs_kept": 1_000_000,
     "rows_kept": 10_000_000, "handle_rows_kept": 10_000_000, "rank_threads": 4_096,
     "host_failure_limit": 1_000_000, "recipe_max_bytes": 1 << 30, "result_max_bytes": 1 << 30,
     "log_lines_per_s": 1_000_000, "priority_ceiling": 1 << 31}

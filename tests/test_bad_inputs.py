@@ -155,6 +155,7 @@ def test_malformed_calls_from_any_client_are_refused_and_the_controller_serves_o
     ({"checkpoint_commit_timeout_s": float("nan")}, "must be a finite number of seconds"),
     ({"checkpoint_keep": -1}, "checkpoint_keep must be an integer from 1"),
     ({"quiet_workers": "yes"}, "quiet_workers must be True or False"),
+    ({"checkpoint_root": "x" * (2 << 20)}, "bytes without its recipe, more than 1,048,576"),
 ])
 def test_job_settings_an_older_client_sends_are_checked_by_the_controller(
         free_cluster: nbtrain.Cluster, tmp_path: Any, settings: dict[str, Any],
@@ -246,3 +247,19 @@ def test_bad_input_through_the_magics_is_one_line_and_nothing_runs(
         shell.user_ns.pop("cl2", None)
     assert [j.id for j in free_cluster.jobs] == before
     assert len(free_cluster.free_slots) == 2
+
+
+def test_a_cluster_full_of_jobs_refuses_more_and_names_the_bound() -> None:
+    """``jobs_max``: no client can fill the controller's memory with queued jobs."""
+    with nbtrain.connect(n_workers=1, settings=nbtrain.Settings.load(jobs_max=2)) as c:
+        running = c.submit(Regression(step_sleep=0.02), world_size=1, steps=10**6, name="one")
+        queued = c.submit(Regression(), world_size=1, steps=5, name="two")
+        with pytest.raises(ValueError, match=r"already holds 2 jobs .* jobs_max is 2"):
+            c.submit(Regression(), world_size=1, steps=5, name="three")
+        with pytest.raises(ValueError, match="at most 8 trackers"):
+            c.rpc("nbtrain_submit", job={}, recipe=b"", settings={}, checkpoint_url="",
+                  trackers=[{"kind": "tensorboard", "target": "x"}] * 9)
+        running.stop()
+        assert queued.wait(120) is JobState.SUCCEEDED, queued.reason
+        again = c.submit(Regression(), world_size=1, steps=5, name="three")
+        assert again.wait(120) is JobState.SUCCEEDED, again.reason

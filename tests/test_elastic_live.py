@@ -161,7 +161,7 @@ def test_lost_worker_shrinks_the_job_and_it_grows_back_with_dataloader_workers(
             assert "grow" in _resizes(job, "requested")[-1]["reason"]
             _train_on(job)
             final = _stopped_at(job)
-            assert job.restarts == 1  # the lost worker; the resizes spent none
+            assert job.restarts == 1, job.faults  # the lost worker; the resizes spent none
             ledger = account(out, final, n=256, global_batch_size=32)
             assert (ledger.duplicates, ledger.missing) == (0, 0), ledger
             assert list(ledger.sizes.values()) == [2, 1, 2, 1, 2]

@@ -96,6 +96,10 @@ def test_a_stranger_sees_only_the_scheduling_facts_of_an_owner_only_job(
         with page(job.page().url) as doc:
             assert model(doc, "nbtrain-refused") is None
             assert "alice-run" in model(doc, "nbtrain-header").text
+        with page(bob.page().url) as doc:  # the class view: scheduling facts for all
+            jobs = model(doc, "cluster-jobs").data
+            row = list(jobs["state"]).index("SUCCEEDED")
+            assert jobs["progress"][row] == "(hidden)" and jobs["goodput"][row] == ""
 
         # the token opens it; so does the operator's
         handed = bob.job("alice-run", token=job.token)

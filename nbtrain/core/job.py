@@ -5,7 +5,9 @@ from __future__ import annotations
 import enum
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from nbtrain.core.mesh import layout_of, validate_mesh
 from nbtrain.core.placement import Layout
@@ -211,3 +213,11 @@ class JobSpec:
 def format_progress(step: int, steps: int | None) -> str:
     """A job's progress as people read it: ``"52/100"``, or ``"52"`` with no fixed total."""
     return f"{step}/{steps}" if steps else str(step)
+
+
+def status_progress(status: Mapping[str, Any]) -> str:
+    """A job status's progress; ``"(hidden)"`` for a status this reader may not see in full
+    (another user's job on a cluster with ``visibility="owner"``)."""
+    if status.get("hidden"):
+        return "(hidden)"
+    return format_progress(int(status.get("step") or 0), status.get("steps"))

@@ -28,7 +28,7 @@ from distributed import Client, LocalCluster
 from nbtrain.config import Settings
 from nbtrain.core.checkpoint_policy import parse_checkpoint_setting
 from nbtrain.core.faults import Fault
-from nbtrain.core.job import JobSpec, default_name, format_progress
+from nbtrain.core.job import JobSpec, default_name, status_progress
 from nbtrain.core.lifecycle_types import JobPolicy, JobSubmission
 from nbtrain.core.mitigation import MitigationSettings, make_policy
 from nbtrain.engine import pages
@@ -396,7 +396,7 @@ class Cluster:
         )
         job_rows = "".join(
             f"<tr><td>{html.escape(j['name'])}</td><td>{j['state']}</td>"
-            f"<td>{format_progress(j['step'], j['steps'])}</td><td>{html.escape(j['owner'])}</td>"
+            f"<td>{status_progress(j)}</td><td>{html.escape(j['owner'])}</td>"
             f"<td>{html.escape(j['reason'])}</td></tr>"
             for j in snap["jobs"]
         )

@@ -45,6 +45,10 @@ FOLLOW_BATCH_S = 0.02
 #: The most jobs one follow call may ask about, and rows it may get per job.
 FOLLOW_JOBS_MAX = 1_000
 FOLLOW_ROWS_MAX = 20_000
+#: Largest submission (the job's spec and options as sent, without the recipe), and the most
+#: trackers a job may have.
+SUBMISSION_MAX_BYTES = 1 << 20
+TRACKERS_MAX = 8
 #: Far past any log's end: a cursor there asks for nothing (a part the caller may not read).
 NOTHING = 1 << 62
 
@@ -92,6 +96,7 @@ async def submit(ctl: ClusterController, *, job: Mapping[str, Any], recipe: byte
                  trackers: list[Mapping[str, Any]] | None = None) -> dict[str, Any]:
     from nbtrain.engine.assets import JobAssets, token_hash
 
+    _check_size(job, settings, trackers)
     sub = submission_from_wire(job)
     spec = sub.spec
     operator = _is_operator(ctl, token)
@@ -104,6 +109,12 @@ async def submit(ctl: ClusterController, *, job: Mapping[str, Any], recipe: byte
             f"{ceiling}")
     if spec.job_id in ctl.assets:
         raise ValueError(f"job id {spec.job_id!r} is already in use; submit under a new id")
+    live = len(ctl.assets) - len(ctl.ended)
+    if live >= ctl.settings.jobs_max:
+        raise ValueError(f"job {spec.name}: this cluster already holds {live:,} jobs that are "
+                         f"queued, held or running (its jobs_max is "
+                         f"{ctl.settings.jobs_max:,}); wait for some to end, or stop ones you "
+                         "no longer need")
     limit = ctl.settings.recipe_max_bytes
     if len(recipe) > limit:
         raise ValueError(
@@ -252,6 +263,24 @@ async def follow(ctl: ClusterController, *, cursors: Mapping[str, list[int]],
         update["status"] = shown_status(ctl, status, role)
         out[jid] = update
     return {"jobs": out}
+
+
+def _check_size(job: object, settings: object, trackers: object) -> None:
+    """ValueError when a submission is bigger than any real one (bounded before parsing)."""
+    import json
+
+    if trackers is not None and (not isinstance(trackers, list)
+                                 or len(trackers) > TRACKERS_MAX):
+        raise ValueError(f"a job may have at most {TRACKERS_MAX} trackers (a list), got "
+                         f"{trackers if not isinstance(trackers, list) else len(trackers)!r}")
+    try:
+        size = len(json.dumps([job, settings, trackers], default=str))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"a submission must be plain data (JSON-able): {exc}") from None
+    if size > SUBMISSION_MAX_BYTES:
+        raise ValueError(f"the submission is {size:,} bytes without its recipe, more than "
+                         f"{SUBMISSION_MAX_BYTES:,}: large values belong in the training "
+                         "function's config (recipe_max_bytes) or in storage")
 
 
 def _checked_cursors(cursors: object) -> dict[str, list[int]]:

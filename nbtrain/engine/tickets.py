@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlencode
 
+from nbtrain.engine.assets import token_hash
+
 if TYPE_CHECKING:
     from nbtrain.engine.controller import ClusterController
 
@@ -37,12 +39,15 @@ def issue_ticket(ctl: ClusterController, job_id: str) -> str:
                 or t.job_id not in ctl.assets]:
         del ctl.view_tickets[key]
     ticket = secrets.token_urlsafe(18)
-    ctl.view_tickets[ticket] = ViewTicket(job_id, now + ctl.settings.view_ticket_s)
+    # Kept by hash, like tokens: a lookup compares hashes, so it tells nothing of the ticket.
+    ctl.view_tickets[token_hash(ticket)] = ViewTicket(job_id, now + ctl.settings.view_ticket_s)
     return ticket
 
 
 def check_ticket(ctl: ClusterController, job_id: str, ticket: str) -> bool:
-    held = ctl.view_tickets.get(ticket)
+    if not isinstance(ticket, str) or not ticket:
+        return False
+    held = ctl.view_tickets.get(token_hash(ticket))
     return (held is not None and held.job_id == job_id and held.expires > time.monotonic()
             and job_id in ctl.assets)
 

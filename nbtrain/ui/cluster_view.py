@@ -14,7 +14,7 @@ from typing import Any
 
 import ipywidgets as widgets
 
-from nbtrain.core.job import format_progress
+from nbtrain.core.job import status_progress
 from nbtrain.ui.display import dashboard_hz, resolve_display
 from nbtrain.ui.poller import Poller
 from nbtrain.ui.slots import fit_slot_figure, slot_columns, slot_figure, slot_figure_height
@@ -51,7 +51,7 @@ def jobs_html(jobs: list[dict[str, Any]]) -> str:
             "<th style='text-align:left'>reason</th></tr>")
     body = "".join(
         f"<tr><td>{html.escape(j['name'])}</td><td>{j['state']}</td>"
-        f"<td>{format_progress(j['step'], j['steps'])}</td><td>{j['world_size']}</td>"
+        f"<td>{status_progress(j)}</td><td>{j['world_size']}</td>"
         f"<td>{j['priority']}</td><td>{html.escape(str(j['team']))}</td>"
         f"<td>{html.escape(str(j['owner']))}</td>"
         f"<td style='text-align:left'>{html.escape(j['reason'])}</td></tr>"
@@ -94,7 +94,7 @@ class ClusterDashboard(widgets.VBox):
 
     def _draw(self, cols: dict[str, Any], jobs: list[dict[str, Any]]) -> None:
         key = (tuple(map(tuple, cols.values())),
-               tuple((j["job_id"], j["state"], j["step"], j["reason"]) for j in jobs))
+               tuple((j["job_id"], j["state"], j.get("step"), j["reason"]) for j in jobs))
         if key == self._last:
             return
         self._last = key
@@ -133,7 +133,7 @@ class ClusterText:
         for group, owners in groups.items():
             lines.append(f"{group}: " + " | ".join(owners))
         for j in self.jobs:
-            step = format_progress(j["step"], j["steps"])
+            step = status_progress(j)
             lines.append(f"job {j['name']}: {j['state']} step {step} "
                          f"({j['world_size']} ranks, owner {j['owner']}): {j['reason']}")
         return "\n".join(lines) or "no slots"

@@ -24,7 +24,7 @@ from bokeh.models import ColumnDataSource
 from bokeh.models.widgets.markups import Div
 from bokeh.models.widgets.tables import DataTable, HTMLTemplateFormatter, TableColumn
 
-from nbtrain.core.job import format_progress
+from nbtrain.core.job import status_progress
 from nbtrain.ui.slots import fit_slot_figure, slot_columns, slot_figure
 
 __all__ = ["ClusterPage"]
@@ -74,7 +74,7 @@ class ClusterPage:
         snap = dict(self.snapshot())
         cols, jobs = slot_columns(snap)
         key = (tuple(map(tuple, cols.values())),
-               tuple((j["job_id"], j["state"], j["step"], j["reason"], j.get("size"))
+               tuple((j["job_id"], j["state"], j.get("step"), j["reason"], j.get("size"))
                      for j in jobs), len(snap.get("log") or ()), tuple(snap.get("queue") or ()))
         if key == self._last:
             return
@@ -98,7 +98,7 @@ class ClusterPage:
             out["link"].append(f"<a href='{html.escape(self.job_link(j['job_id']))}' "
                                f"target='_blank'>{html.escape(j['name'])}</a>")
             out["state"].append(j["state"])
-            out["progress"].append(format_progress(int(j["step"]), j.get("steps")))
+            out["progress"].append(status_progress(j))
             out["ranks"].append(int(j.get("size") or 0) or int(j["world_size"]))
             out["owner"].append(str(j.get("owner") or ""))
             out["team"].append(str(j.get("team") or ""))
