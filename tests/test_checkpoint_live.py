@@ -46,6 +46,28 @@ def test_resume_from_explicit_step_url(free_cluster: nbtrain.Cluster, tmp_path: 
     assert_params_equal(tmp_path / "out", single_process_params(20))
 
 
+def test_a_resume_source_deleted_while_the_job_waits_is_an_error_not_a_fresh_start(
+        free_cluster: nbtrain.Cluster) -> None:
+    """It used to start silently at step 0."""
+    import shutil
+
+    first = free_cluster.submit(Regression(), world_size=2, steps=8, name="gone-source",
+                                checkpoint=4)
+    assert first.wait(120) is JobState.SUCCEEDED, first.error
+    blocker = free_cluster.submit(Regression(step_sleep=0.02), world_size=2, steps=10**6,
+                                  name="blocker", checkpoint=None)
+    wait_for(lambda: blocker.status is JobState.RUNNING, 120, "the blocker to run")
+    waiting = free_cluster.submit(Regression(), world_size=2, steps=20, name="gone-2",
+                                  resume=first.checkpoint_dir, max_restarts=0)
+    assert waiting.status is JobState.QUEUED
+    shutil.rmtree(first.checkpoint_dir)
+    blocker.stop()
+    assert waiting.wait(180) is JobState.FAILED
+    assert "held a committed checkpoint when the job was submitted but holds none now" in (
+        waiting.error or ""), waiting.error
+    assert not len(waiting.metrics) and blocker.wait(60) is JobState.CANCELLED
+
+
 def test_preempt_then_resume_matches_uninterrupted(free_cluster: nbtrain.Cluster,
                                                    tmp_path: Path) -> None:
     steps = 60

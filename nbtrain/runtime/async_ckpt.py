@@ -230,6 +230,19 @@ class AsyncCheckpointer:
                 self._thread.join(timeout)
         return result
 
+    def abandon(self, timeout: float = 5.0) -> str:
+        """Stop after a failure, never raising (the rank's own failure is what counts): cancel
+        a commit in flight and fence the writer, so a write still running can no longer commit,
+        prune or clean up once its generation ended; wait up to ``timeout``. Returns what was
+        left running ("" if nothing)."""
+        self._cancel.set()
+        try:
+            self.close(timeout)
+        except Exception as exc:  # still writing after timeout: fenced, left to finish
+            return (f"a checkpoint write was still running after {timeout:g} s "
+                    f"({type(exc).__name__}); it is fenced: it cannot commit or prune")
+        return ""
+
     def __enter__(self) -> AsyncCheckpointer:
         return self
 
@@ -278,6 +291,9 @@ class AsyncCheckpointer:
                  shard: DcpShard | None = None) -> None:
         step = result.step
         t0 = time.perf_counter()
+        if self._cancel.is_set():  # abandoned: its generation ended before this write began
+            self._fail(result, "persist", RuntimeError("abandoned: its generation ended"))
+            return
         if self.store.is_committed(step):
             # e.g. preempted right after resuming from this very step: nothing to add.
             result.committed = True
@@ -306,6 +322,9 @@ class AsyncCheckpointer:
         )
         if not self.committer:
             return
+        if self._cancel.is_set():
+            self._fail(result, "commit", RuntimeError("abandoned: its generation ended"))
+            return
         t1 = time.perf_counter()
         try:
             manifest = self.store.commit(
@@ -329,7 +348,7 @@ class AsyncCheckpointer:
             "persist_ms": result.persist_s * 1e3,
             "url": self.store.step_url(step),
         }
-        if self.prune:
+        if self.prune and not self._cancel.is_set():  # fenced: the next generation owns the dir
             try:
                 result.pruned = self.store.prune()
                 self.store.cleanup_incomplete()

@@ -10,9 +10,10 @@ tracked state as DCP state dicts (:mod:`nbtrain.runtime.dcp_state`), replicated 
 sharded ones (FSDP, TP) by their owners; each rank's own file holds its RNG states, the data
 position and the step.
 
-Restore: each rank loads the newest committed checkpoint it can verify at or before the step
-the engine names; the ranks then agree (MIN/MAX all-reduce) on one step, falling back together
-if one of them could not load the newest, so no rank resumes from a different step.
+Restore: the ranks exchange what each sees in each restore source and choose one source and
+the steps all of them see (:mod:`nbtrain.core.restore_choice`); they load the newest of those,
+and fall back together (a MAX all-reduce of how each load went) when one of them could not,
+so no rank resumes from a different step or source, and every rank makes the same calls.
 
 At another world size or mesh shape (an elastic resize, a recovery on fewer slots, a resume
 with another mesh) DCP's load planner reads, for each tensor this rank holds now, the parts
@@ -26,6 +27,8 @@ still restore into DDP jobs, reading shard ``r % old world size``.
 
 from __future__ import annotations
 
+import logging
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from nbtrain.core.checkpoint_policy import CheckpointPolicy
+from nbtrain.core.restore_choice import STEPS_SHOWN, RankView, RestoreError, choose_restore
 from nbtrain.runtime.async_ckpt import AsyncCheckpointer, SaveResult
 from nbtrain.runtime.dcp_read import load_into
 from nbtrain.runtime.dcp_state import apply_dcp_state, has_sharded_params, to_dcp_state
@@ -44,6 +48,11 @@ from nbtrain.runtime.snapshot import SnapshotError, load_state
 from nbtrain.runtime.storage import CheckpointError, CheckpointStore, Manifest
 
 __all__ = ["CheckpointPlan", "RankCheckpointing"]
+
+logger = logging.getLogger(__name__)
+
+#: How one rank's load of a candidate step went (the ranks take the worst, by MAX).
+LOAD_OK, LOAD_SKIP, LOAD_MISFIT = 0, 1, 2
 
 
 class RankCheckpointing:
@@ -75,28 +84,67 @@ class RankCheckpointing:
 
     # -- restore ----------------------------------------------------------------------------
     def restore(self) -> tuple[int, list[tuple[int, str]]]:
-        """Load the agreed newest committed checkpoint; returns (step, skipped) — step 0 when
-        starting fresh."""
-        chosen = self._restore_source()
-        if chosen is None:
+        """Load the checkpoint every rank agrees on; returns (step, skipped) - step 0 when
+        starting fresh. Collective: every rank takes part in the same calls whatever it found
+        (``nbtrain.core.restore_choice``), so no rank hangs and none keeps a state the others
+        do not have. Raises CheckpointError (every rank together) when no checkpoint every
+        rank can load exists, or when the ranks do not see the same storage."""
+        sources = list(self.plan.restore_from)
+        mine = RankView(self.rank, socket.gethostname(),
+                        tuple(self._committed(url, at) for url, at in sources))
+        views: list[Any] = [None] * self.world_size
+        dist.all_gather_object(views, mine)
+        try:
+            choice = choose_restore(sources, views)  # the same on every rank
+        except RestoreError as exc:
+            raise CheckpointError(sources[0][0], str(exc)) from None
+        if choice is None:
             return 0, []
-        source, at = chosen
+        url = sources[choice.source][0]
+        store = CheckpointStore(url, keep=self.plan.keep)
         skipped: list[tuple[int, str]] = []
-        while True:
-            loaded = self._load_newest(source, at, skipped)
-            step = loaded[0] if loaded is not None else 0
-            agreed = torch.tensor([step, -step], dtype=torch.int64)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-            hi, lo = int(agreed[0]), -int(agreed[1])
-            if hi == lo:
-                break
-            at = lo  # someone could not load the newest: everyone falls back to its step
-            if lo == 0:
-                loaded, step = None, 0
-                break
-        if loaded is None or step == 0:
-            return 0, skipped
-        _, meta, shard_rank = loaded
+        for step in choice.steps:
+            outcome, loaded, why = LOAD_OK, None, ""
+            try:
+                loaded = self._load(store, step)
+            except CheckpointError as exc:  # corrupt, partial or unreadable: try an older one
+                outcome, why = LOAD_SKIP, str(exc)
+            except SnapshotError as exc:  # does not fit the tracked state: older ones neither
+                outcome, why = LOAD_MISFIT, str(exc)
+            worst = torch.tensor([outcome], dtype=torch.int64)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            if int(worst) == LOAD_OK:
+                assert loaded is not None
+                self._resume_at(step, *loaded)
+                return step, skipped
+            if outcome == LOAD_MISFIT:
+                raise SnapshotError(why)
+            if int(worst) == LOAD_MISFIT:
+                raise CheckpointError(store.step_url(step), "another rank could not load this "
+                                      "checkpoint into its tracked state (its error says why)")
+            skipped.append((step, why or "another rank could not load it"))
+        raise CheckpointError(url, "no checkpoint every rank could load: " + "; ".join(
+            f"step {s}: {why}" for s, why in skipped))
+
+    def _committed(self, url: str, at: int | None) -> tuple[int, ...]:
+        """This rank's view of one source: its committed steps at or before ``at``."""
+        try:
+            steps = CheckpointStore(url, keep=self.plan.keep).committed()
+        except (CheckpointError, OSError):
+            return ()
+        return tuple(s for s in steps if at is None or s <= at)[:STEPS_SHOWN]
+
+    def _load(self, store: CheckpointStore, step: int) -> tuple[dict[str, Any], int]:
+        """Load one committed checkpoint into the tracked state: this rank's meta and the
+        rank whose own file it read."""
+        manifest = store.read_manifest(step)
+        shard = self.rank % manifest.world_size
+        if manifest.sharded:
+            return self._load_sharded(store, manifest, shard), shard
+        return self._load_full_copy(store, manifest, shard), shard
+
+    def _resume_at(self, step: int, meta: dict[str, Any], shard_rank: int) -> None:
+        """The data position, RNG and policy of a loaded checkpoint."""
         if self.loader is not None and "data" in meta:
             self.loader.load_state_dict(meta["data"])
         if "rng" in meta and shard_rank == self.rank:
@@ -105,33 +153,6 @@ class RankCheckpointing:
             seed_rng(self.seed, step, self.rank)
         self.policy = CheckpointPolicy(self.plan.policy, now=time.monotonic(), step=step)
         self.last_saved_step = step
-        return step, skipped
-
-    def _load_newest(self, store: CheckpointStore, at: int | None,
-                     skipped: list[tuple[int, str]]) -> tuple[int, dict[str, Any], int] | None:
-        """Load the newest intact committed checkpoint at or before ``at`` into the tracked
-        state: (step, this rank's meta, the rank whose own file it read). Corrupt, partial
-        and unreadable checkpoints are skipped (and listed); None when there is none."""
-        reasons: list[str] = []
-        for step in store.committed():
-            if at is not None and step > at:
-                continue
-            try:
-                manifest = store.read_manifest(step)
-                shard = self.rank % manifest.world_size
-                if manifest.sharded:
-                    meta = self._load_sharded(store, manifest, shard)
-                else:
-                    meta = self._load_full_copy(store, manifest, shard)
-            except CheckpointError as e:
-                if (step, str(e)) not in skipped:
-                    skipped.append((step, str(e)))
-                reasons.append(str(e))
-                continue
-            return step, meta, shard
-        if reasons:
-            raise CheckpointError(store.url, "no loadable checkpoint: " + "; ".join(reasons))
-        return None
 
     def _load_sharded(self, store: CheckpointStore, manifest: Manifest,
                       shard: int) -> dict[str, Any]:
@@ -163,17 +184,6 @@ class RankCheckpointing:
         load_state(self.state, payload["state"])
         return dict(payload.get("meta") or {})
 
-    def _restore_source(self) -> tuple[CheckpointStore, int | None] | None:
-        """The first of the plan's sources that holds a committed checkpoint (the job's own
-        directory once it has one, else the ``resume=`` source). Every rank reads the same
-        shared storage after the previous generation ended, so every rank picks the same."""
-        for url, at in self.plan.restore_from:
-            store = CheckpointStore(url, keep=self.plan.keep)
-            committed = [s for s in store.committed() if at is None or s <= at]
-            if committed:
-                return store, at
-        return None
-
     # -- save -------------------------------------------------------------------------------
     def deterministic_due(self, step: int) -> bool:
         n = self.plan.policy.every_steps
@@ -201,4 +211,8 @@ class RankCheckpointing:
         return self.writer.close(timeout)
 
     def abandon(self) -> None:
-        self.writer.close(timeout=5.0, cancel=True)
+        """After a failure: never raises, so the rank's own failure reaches the controller
+        and the rest of its cleanup runs (``AsyncCheckpointer.abandon``)."""
+        note = self.writer.abandon(timeout=5.0)
+        if note:
+            logger.warning("nbtrain rank %d: %s", self.rank, note)

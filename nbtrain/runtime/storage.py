@@ -419,6 +419,8 @@ class CheckpointStore:
                         f"file has {size} bytes but its receipt says {info.bytes}; not "
                         "committing",
                     )
+        if cancelled is not None and cancelled():  # its generation ended: never commit now
+            raise CheckpointError(sdir, "commit cancelled: its generation ended")
         sharded = [r for r in receipts.values() if r.dcp is not None]
         if sharded and len(sharded) != world_size:
             raise CheckpointError(sdir, "some ranks wrote DCP data files and some did not; "
