@@ -311,7 +311,7 @@ def _incoherent(s: Settings) -> list[str]:
         out.append(f"control_poll_s ({s.control_poll_s:g}) must not exceed preempt_grace_s "
                    f"({s.preempt_grace_s:g}): a preempted job would not hear of it in time")
     commit, grace = s.checkpoint_commit_timeout_s, s.preempt_grace_s
-    if commit > grace and (commit, grace) != (DEFAULT_COMMIT_TIMEOUT_S, _SCHED.preempt_grace_s):
+    if commit > grace:
         warnings.warn(
             f"checkpoint_commit_timeout_s ({commit:g}) is longer than preempt_grace_s "
             f"({grace:g}): a preempted job's checkpoint that takes longer than the grace is "

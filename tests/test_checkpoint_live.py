@@ -68,6 +68,22 @@ def test_a_resume_source_deleted_while_the_job_waits_is_an_error_not_a_fresh_sta
     assert not len(waiting.metrics) and blocker.wait(60) is JobState.CANCELLED
 
 
+def test_storage_that_not_every_rank_sees_fails_at_once_naming_who_saw_what(
+        free_cluster: nbtrain.Cluster, tmp_path: Path) -> None:
+    """A ``memory://`` root is one per process, as a local path is one per host: each rank
+    writes where the others cannot see. The job used to train and then wait out every
+    commit's 300 s timeout; now its first generation fails at once, saying why."""
+    with nbtrain.connect(free_cluster.address, settings=nbtrain.Settings.load(
+            checkpoint_root="memory://per-process", token_file="")) as own:
+        job = own.submit(Regression(), world_size=2, steps=50, name="unshared",
+                         checkpoint=10, max_restarts=0)
+        assert job.wait(120) is JobState.FAILED
+        error = job.error or ""
+    assert "do not share the checkpoint storage memory://per-process" in error, error
+    assert "does not see the files of ranks" in error and "object store URL" in error
+    assert len(free_cluster.free_slots) == 2
+
+
 def test_preempt_then_resume_matches_uninterrupted(free_cluster: nbtrain.Cluster,
                                                    tmp_path: Path) -> None:
     steps = 60

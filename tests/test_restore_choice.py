@@ -57,3 +57,17 @@ def test_a_pinned_step_that_is_gone_is_an_error_not_an_older_step() -> None:
         choose_restore([OWN, pinned], views(((), (30, 20)), ((), (30, 20))))
     assert choose_restore([OWN, pinned], views(((), (40, 30)), ((), (40, 30)))) == \
         RestoreChoice(1, (40, 30))
+
+
+def test_storage_every_rank_sees_is_fine_and_anything_else_names_who_saw_what() -> None:
+    from nbtrain.core.restore_choice import ProbeReport, storage_problem
+
+    assert storage_problem("/shared", [ProbeReport(0, "a", "", ()),
+                                       ProbeReport(1, "b", "", ())]) == ""
+    text = storage_problem("/local", [ProbeReport(0, "a", "", (1,)),
+                                      ProbeReport(1, "b", "", (0,)),
+                                      ProbeReport(2, "c", "PermissionError: denied", ())])
+    assert "do not share the checkpoint storage /local" in text
+    assert "rank 0 on a does not see the files of ranks 1" in text
+    assert "rank 2 on c could not write there (PermissionError: denied)" in text
+    assert "object store URL" in text

@@ -28,8 +28,10 @@ __all__ = [
 DEFAULT_MTBF_S = 6 * 3600.0
 #: How long rank 0 waits for every rank's shard before a checkpoint is marked failed: the
 #: one default of ``Settings.checkpoint_commit_timeout_s``, the launch's plan and storage.
-#: Longer than the slowest rank's write of one shard.
-DEFAULT_COMMIT_TIMEOUT_S = 300.0
+#: Longer than the slowest rank's write of one shard, and shorter than the preemption grace
+#: (``SchedulerConfig.preempt_grace_s``, 120 s), so a preempted job's commit gives up before
+#: its ranks are stopped.
+DEFAULT_COMMIT_TIMEOUT_S = 100.0
 
 
 def young_daly_interval(cost_s: float, mtbf_s: float) -> float:

@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["RankView", "RestoreChoice", "RestoreError", "choose_restore"]
+__all__ = ["ProbeReport", "RankView", "RestoreChoice", "RestoreError", "choose_restore",
+           "storage_problem"]
 
 #: Committed steps a rank reports per source (the newest): enough to fall back past a few
 #: corrupt ones, small enough to exchange.
@@ -77,6 +78,34 @@ def choose_restore(sources: Sequence[tuple[str, int | None]],
             "holds none now (pruned or deleted while the job waited); submit again with "
             "another source, or without resume= for a fresh start")
     return None
+
+
+@dataclass(frozen=True)
+class ProbeReport:
+    """One rank's part of the storage check at a generation's start: whether it could write
+    its probe file into the job's checkpoint directory, and whose probes it cannot see."""
+
+    rank: int
+    host: str
+    write_error: str
+    unseen: tuple[int, ...]
+
+
+def storage_problem(url: str, reports: Sequence[ProbeReport]) -> str:
+    """What is wrong with checkpoint storage that not every rank sees the same ("" if
+    nothing): every rank must see what every other rank writes, or commits wait for files
+    they cannot see and restores diverge."""
+    parts = [f"rank {r.rank} on {r.host} could not write there ({r.write_error})"
+             for r in sorted(reports, key=lambda r: r.rank) if r.write_error]
+    parts += [f"rank {r.rank} on {r.host} does not see the files of ranks "
+              f"{', '.join(map(str, r.unseen))}"
+              for r in sorted(reports, key=lambda r: r.rank) if r.unseen and not r.write_error]
+    if not parts:
+        return ""
+    return (f"the ranks do not share the checkpoint storage {url}: " + "; ".join(parts)
+            + ". Every worker must see it the same way: a shared filesystem mounted at the "
+            "same path on every host, or an object store URL as checkpoint_root (a local "
+            "path or memory:// works only for one process)")
 
 
 def _what_each_saw(views: Sequence[RankView], source: int) -> str:

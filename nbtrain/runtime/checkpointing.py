@@ -37,7 +37,14 @@ import torch
 import torch.distributed as dist
 
 from nbtrain.core.checkpoint_policy import CheckpointPolicy
-from nbtrain.core.restore_choice import STEPS_SHOWN, RankView, RestoreError, choose_restore
+from nbtrain.core.restore_choice import (
+    STEPS_SHOWN,
+    ProbeReport,
+    RankView,
+    RestoreError,
+    choose_restore,
+    storage_problem,
+)
 from nbtrain.runtime.async_ckpt import AsyncCheckpointer, SaveResult
 from nbtrain.runtime.dcp_read import load_into
 from nbtrain.runtime.dcp_state import apply_dcp_state, has_sharded_params, to_dcp_state
@@ -76,6 +83,7 @@ class RankCheckpointing:
             layout="dcp", mesh_dims=mesh_dims,
         )
         self.last_saved_step = -1
+        self.attempt = f"g{generation}"
 
     def bind(self, state: dict[str, Any], loader: PositionedLoader | None) -> None:
         """What checkpoints hold, known when the training loop starts."""
@@ -90,10 +98,12 @@ class RankCheckpointing:
         do not have. Raises CheckpointError (every rank together) when no checkpoint every
         rank can load exists, or when the ranks do not see the same storage."""
         sources = list(self.plan.restore_from)
-        mine = RankView(self.rank, socket.gethostname(),
-                        tuple(self._committed(url, at) for url, at in sources))
+        host = socket.gethostname()
+        write_error = self.store.write_probe(self.attempt, self.rank)
+        mine = RankView(self.rank, host, tuple(self._committed(url, at) for url, at in sources))
         views: list[Any] = [None] * self.world_size
-        dist.all_gather_object(views, mine)
+        dist.all_gather_object(views, mine)  # also the barrier: every probe is written now
+        self._check_storage(host, write_error)
         try:
             choice = choose_restore(sources, views)  # the same on every rank
         except RestoreError as exc:
@@ -125,6 +135,18 @@ class RankCheckpointing:
             skipped.append((step, why or "another rank could not load it"))
         raise CheckpointError(url, "no checkpoint every rank could load: " + "; ".join(
             f"step {s}: {why}" for s, why in skipped))
+
+    def _check_storage(self, host: str, write_error: str) -> None:
+        """Every rank sees every rank's probe file in the job's directory, or every rank
+        raises, naming who saw what (commits would otherwise wait out their timeout)."""
+        unseen = () if write_error else tuple(self.store.unseen_probes(
+            self.attempt, range(self.world_size)))
+        reports: list[Any] = [None] * self.world_size
+        dist.all_gather_object(reports, ProbeReport(self.rank, host, write_error, unseen))
+        self.store.remove_probe(self.attempt, self.rank)
+        problem = storage_problem(self.plan.url, reports)
+        if problem:
+            raise CheckpointError(self.plan.url, problem)
 
     def _committed(self, url: str, at: int | None) -> tuple[int, ...]:
         """This rank's view of one source: its committed steps at or before ``at``."""

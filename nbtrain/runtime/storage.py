@@ -582,6 +582,30 @@ class CheckpointStore:
             return False
         return True
 
+    # -- can every rank see what every other rank writes? ---------------------------------
+    def _probe_path(self, attempt: str, rank: int) -> str:
+        return f"{self.root}/.probe-{attempt}-r{rank}"
+
+    def write_probe(self, attempt: str, rank: int) -> str:
+        """Write this rank's probe file; "" or why it could not."""
+        try:
+            self.fs.makedirs(self.root, exist_ok=True)
+            with self.fs.open(self._probe_path(attempt, rank), "wb") as f:
+                f.write(b"nbtrain storage probe\n")
+        except OSError as e:
+            return f"{type(e).__name__}: {e}"
+        return ""
+
+    def unseen_probes(self, attempt: str, ranks: range) -> list[int]:
+        """The ranks whose probe file this process cannot see."""
+        with contextlib.suppress(AttributeError):
+            self.fs.invalidate_cache(self.root)  # listing caches (NFS-like stores)
+        return [r for r in ranks if not self.fs.exists(self._probe_path(attempt, r))]
+
+    def remove_probe(self, attempt: str, rank: int) -> None:
+        with contextlib.suppress(OSError):
+            self.fs.rm(self._probe_path(attempt, rank))
+
     def committed(self) -> list[int]:
         """Steps with a valid manifest, newest first."""
         return [s for s in self._steps_on_disk() if self.is_committed(s)]
