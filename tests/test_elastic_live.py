@@ -5,6 +5,7 @@ float64 parameters equal plain single-process SGD over the same global batches."
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -125,6 +126,14 @@ def test_a_fixed_per_rank_batch_scales_the_lr_with_the_size(
 
 
 @pytest.mark.slow
+def _explain(job: nbtrain.JobHandle) -> str:
+    """A job's faults in full, its resizes and the ranks' last output: why it restarted."""
+    faults = "\n".join(json.dumps(f, default=str) for f in job.faults)
+    resizes = "\n".join(json.dumps(e, default=str) for e in job.events
+                        if e.get("kind") in ("resize", "state", "rank_failed"))
+    return f"faults:\n{faults}\nevents:\n{resizes}\nlogs:\n" + "\n".join(job.logs(tail=60))
+
+
 def test_lost_worker_shrinks_the_job_and_it_grows_back_with_dataloader_workers(
         tmp_path: Path) -> None:
     """Two ``dask worker`` processes; SIGKILL one with its nanny (no spare, nothing restarts
@@ -161,7 +170,8 @@ def test_lost_worker_shrinks_the_job_and_it_grows_back_with_dataloader_workers(
             assert "grow" in _resizes(job, "requested")[-1]["reason"]
             _train_on(job)
             final = _stopped_at(job)
-            assert job.restarts == 1, job.faults  # the lost worker; the resizes spent none
+            # the lost worker; the resizes spent none
+            assert job.restarts == 1, _explain(job)
             ledger = account(out, final, n=256, global_batch_size=32)
             assert (ledger.duplicates, ledger.missing) == (0, 0), ledger
             assert list(ledger.sizes.values()) == [2, 1, 2, 1, 2]

@@ -9,6 +9,7 @@ client), the job's owner ("alice", another client without the operator token) an
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,9 +36,14 @@ def client_of(address: str) -> nbtrain.Cluster:
 
 @pytest.fixture(scope="module")
 def owner_only() -> Iterator[nbtrain.Cluster]:
-    """A cluster whose controller shows each job's details to its owner only."""
-    with nbtrain.connect(n_workers=2, operator_token=OPERATOR_TOKEN,
-                         settings=Settings.load(visibility="owner")) as c:
+    """A cluster whose controller shows each job's details to its owner only; its operator
+    token comes from the environment, as a cluster operator's often does."""
+    os.environ["NBTRAIN_OPERATOR_TOKEN"] = OPERATOR_TOKEN
+    try:
+        cluster = nbtrain.connect(n_workers=2, settings=Settings.load(visibility="owner"))
+    finally:
+        del os.environ["NBTRAIN_OPERATOR_TOKEN"]
+    with cluster as c:
         yield c
 
 

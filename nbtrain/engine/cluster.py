@@ -451,10 +451,13 @@ def connect(address: str | Client | None = None, *, n_workers: int | None = None
                                   "silence_logs": logging.CRITICAL}
         if security is not None:
             kwargs["security"] = security
+        # Worker processes inherit this process's environment: not the operator's token.
+        kwargs["env"] = {"NBTRAIN_OPERATOR_TOKEN": ""}
         if gpus is False:
             # CPU workers on a GPU machine: hide the GPUs, or each worker would report (and
             # use) GPU 0.
-            kwargs["env"] = {"CUDA_VISIBLE_DEVICES": ""}
+            kwargs["env"]["CUDA_VISIBLE_DEVICES"] = ""
+        kwargs["env"].update(cluster_kwargs.pop("env", None) or {})
         kwargs.update(cluster_kwargs)
         # Worker processes that may start children (DataLoader workers). Nannies read this
         # each time they (re)start a worker, so it stays set in this process.

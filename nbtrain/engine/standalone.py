@@ -100,7 +100,8 @@ class StandaloneCluster:
             name=f"worker-{name}",
             argv=[str(BIN / "dask"), "worker", self.address, "--nworkers", str(n),
                   "--nthreads", "1", "--host", "127.0.0.1", "--name", name, "--no-dashboard"],
-            env={**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False", **(env or {})},
+            env={**_without_operator_token(os.environ), "DASK_DISTRIBUTED__WORKER__DAEMON": "False",
+                 **(env or {})},
             log=self.logs / f"worker-{name}.log")
         with self._lock:
             self.workers.append(worker)
@@ -177,6 +178,11 @@ class StandaloneCluster:
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _without_operator_token(env: Mapping[str, str]) -> dict[str, str]:
+    """A worker's environment: the operator token stays with the scheduler."""
+    return {k: v for k, v in env.items() if k != "NBTRAIN_OPERATOR_TOKEN"}
 
 
 def start(workers: int, *, logs: Path, scheduler_env: Mapping[str, str] | None = None,

@@ -129,18 +129,13 @@ class ShardedLoader:
                     "Dask worker is daemonic: start the cluster's workers with "
                     "DASK_DISTRIBUTED__WORKER__DAEMON=False (dask config "
                     "distributed.worker.daemon: False), or use num_workers=0")
-            # Fork where there is fork: a worker process starts at once and needs nothing
-            # pickled (a Dask worker's own default is spawn, which would re-import torch in
-            # each and pickle the dataset by reference, failing for a notebook's classes).
-            # Elsewhere the dataset travels by value.
-            fork = "fork" in multiprocessing.get_all_start_methods()
-            loader = DataLoader(
-                self.dataset if fork else _ByValue(self.dataset),  # type: ignore[arg-type]
+            loader: DataLoader[Any] = DataLoader(
+                _ByValue(self.dataset),  # type: ignore[arg-type]
                 batch_sampler=_Positions(self, self.position),
                 num_workers=self.num_workers,
-                collate_fn=self.collate_fn if fork else _ByValue(self.collate_fn),
+                collate_fn=_ByValue(self.collate_fn),
                 prefetch_factor=self.prefetch_factor,
-                multiprocessing_context="fork" if fork else "spawn")
+                multiprocessing_context=_worker_context())
             self._prefetch = iter(loader)
         batch = next(self._prefetch)
         self.next_indices()  # the consumed position, for checkpoints
@@ -171,6 +166,20 @@ class _Positions:
         while True:
             mine, _, pos = self.loader._at(pos)
             yield mine.tolist()
+
+
+def _worker_context() -> Any:
+    """Where DataLoader workers come from: a fork server where there is one. Forking the rank's
+    own process is unsafe: a Dask worker runs many threads, and a child forked while one of
+    them held a lock (of multiprocessing's fd sharing, say) can die or hang (seen here as
+    "DataLoader worker exited unexpectedly" and a rank stuck in ``rebuild_storage_fd`` on a
+    busy machine). The server is a fresh process that imports torch once; children fork from
+    it at once, and the dataset travels by value (cloudpickle), as Dask sends the recipe."""
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["torch"])
+        return context
+    return multiprocessing.get_context("spawn")
 
 
 class _ByValue:
