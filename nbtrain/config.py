@@ -206,12 +206,26 @@ class Settings:
             return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Settings:
-        """Settings sent as a dict (by a client, or read from the journal): known fields only,
-        each checked; the environment is not read (they are someone else's settings)."""
-        known = {f.name for f in fields(cls)}
+    def from_dict(cls, data: Mapping[str, Any], *, lenient: bool = False) -> Settings:
+        """Settings sent as a dict (by a client, or read from the journal): known fields only
+        and never a client's own (its operator token), each checked; the environment is not
+        read (they are someone else's settings). ``lenient``: values that do not pass today's
+        checks (a journal written under older rules) fall back to their defaults instead of
+        raising."""
+        known = {f.name for f in fields(cls)} - set(CLIENT_ONLY)
+        values = {k: v for k, v in data.items() if k in known}
         with _loading():
-            return cls(**{k: v for k, v in data.items() if k in known})
+            try:
+                return cls(**values)
+            except (TypeError, ValueError):
+                if not lenient:
+                    raise
+            kinds = {f.name: type(f.default) for f in fields(cls)}
+            values = {k: v for k, v in values.items() if _check(k, v, kinds[k]) is None}
+            try:
+                return cls(**values)
+            except (TypeError, ValueError):
+                return cls()
 
     def for_jobs(self) -> dict[str, Any]:
         """What a job carries to the controller and its ranks: every value but this client's
@@ -256,7 +270,7 @@ class Settings:
                 known = ", ".join(sorted(values))
                 raise TypeError(f"unknown nbtrain setting {key!r}; known settings: {known}")
             values[key] = _coerce(key, value, type(values[key]))
-        with _loading():
+        with _loading(unread_only=True):
             return cls(**values)
 
 
@@ -273,18 +287,26 @@ MAXIMA: dict[str, float] = {
     "host_failure_limit": 1_000_000, "recipe_max_bytes": 1 << 30, "result_max_bytes": 1 << 30,
     "log_lines_per_s": 1_000_000, "priority_ceiling": 1 << 31}
 
+#: Set while settings are made from given values on purpose (``load``, ``replace``,
+#: ``from_dict``): no warning that the environment went unread. ``_REMADE``: made again
+#: from settings that were already checked (``replace``, ``from_dict``): no second
+#: coherence warning either.
 _LOADING: contextvars.ContextVar[bool] = contextvars.ContextVar("nbtrain_settings_loading",
                                                                  default=False)
+_REMADE: contextvars.ContextVar[bool] = contextvars.ContextVar("nbtrain_settings_remade",
+                                                                default=False)
 
 
 @contextlib.contextmanager
-def _loading() -> Iterator[None]:
-    """Settings made inside are made on purpose from given values (no unread-value warning)."""
+def _loading(*, unread_only: bool = False) -> Iterator[None]:
     token = _LOADING.set(True)
+    again = None if unread_only else _REMADE.set(True)
     try:
         yield
     finally:
         _LOADING.reset(token)
+        if again is not None:
+            _REMADE.reset(again)
 
 
 def _warn_unread(settings: Settings) -> None:
@@ -311,7 +333,7 @@ def _incoherent(s: Settings) -> list[str]:
         out.append(f"control_poll_s ({s.control_poll_s:g}) must not exceed preempt_grace_s "
                    f"({s.preempt_grace_s:g}): a preempted job would not hear of it in time")
     commit, grace = s.checkpoint_commit_timeout_s, s.preempt_grace_s
-    if commit > grace:
+    if commit > grace and not _REMADE.get():
         warnings.warn(
             f"checkpoint_commit_timeout_s ({commit:g}) is longer than preempt_grace_s "
             f"({grace:g}): a preempted job's checkpoint that takes longer than the grace is "

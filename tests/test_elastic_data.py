@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -183,3 +184,25 @@ def test_lr_rules_scale_relative_to_what_is_applied() -> None:
     rule = LRScaling(fresh, "linear", 2)
     assert rule.apply(1) == 0.5
     assert math.isclose(fresh.param_groups[0]["lr"], 0.1 / 2.0 * 0.5)
+
+
+class _WithALock(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """A dataset that opened something in ``__init__`` that cannot travel to a process."""
+
+    def __init__(self) -> None:
+        self.handle = threading.Lock()
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i])
+
+
+def test_a_dataset_that_cannot_reach_the_workers_says_what_to_do() -> None:
+    loader = ShardedLoader(_WithALock(), global_batch_size=B, rank=0, world_size=1,
+                           num_workers=1)
+    with pytest.raises(TypeError, match=r"num_workers=1: the dataset \(_WithALock\) cannot be "
+                                        r"sent to DataLoader worker processes .*lazily in "
+                                        r"__getitem__"):
+        loader.next_batch()

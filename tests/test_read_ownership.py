@@ -107,9 +107,13 @@ def test_a_stranger_sees_only_the_scheduling_facts_of_an_owner_only_job(
             row = list(jobs["state"]).index("SUCCEEDED")
             assert jobs["progress"][row] == "(hidden)" and jobs["goodput"][row] == ""
 
-        # the token opens it; so does the operator's
+        # the token opens it (on a new handle, and on the one that watched without it)
         handed = bob.job("alice-run", token=job.token)
         assert len(handed.metrics) == 80 and handed.checkpoint_dir == job.checkpoint_dir
+        theirs.steer_with(job.token)
+        assert len(theirs.metrics) == 80 and theirs.checkpoint_dir == job.checkpoint_dir
+        assert theirs.hidden == "" and theirs.logs() == job.logs()  # no refusal now
+        # ... so does the operator's
         ours = owner_only.job("alice-run")
         assert len(ours.metrics) == 80 and ours.result() == job.result()
     assert len(owner_only.free_slots) == 2
@@ -123,6 +127,10 @@ def test_logs_results_and_checkpoints_stay_the_owners_when_all_see_metrics(
         theirs = bob.job(job.id)
         assert theirs.hidden == "" and len(theirs.metrics) == 20  # visibility="all"
         assert theirs.step == 20
+        committed = [e for e in job.events if e.get("phase") == "committed"]
+        assert committed and all("url" in e for e in committed)  # the owner sees where
+        seen = [e for e in theirs.events if e.get("phase") == "committed"]
+        assert len(seen) == len(committed) and not [e for e in seen if "url" in e]
         for read in (lambda h: h.logs(), lambda h: h.result(), lambda h: h.checkpoint_dir):
             with pytest.raises(PermissionError, match="belongs to"):
                 read(theirs)

@@ -111,3 +111,11 @@ def test_the_operator_token_stays_with_the_client() -> None:
     sent = s.for_jobs()
     assert "operator_token" not in sent and "token_file" not in sent
     assert Settings.from_dict(sent).operator_token == ""
+
+
+def test_settings_read_back_from_an_old_journal_fall_back_instead_of_failing() -> None:
+    old = {"quiet_workers": "yes", "jobs_kept": 5, "operator_token": "leaked", "gone": 1}
+    with pytest.raises(ValueError, match="quiet_workers must be True or False"):
+        Settings.from_dict(old)
+    s = Settings.from_dict(old, lenient=True)
+    assert s.quiet_workers is True and s.jobs_kept == 5 and s.operator_token == ""

@@ -73,8 +73,9 @@ class RankSeals:
         secret = self._secrets.get((job_id, generation))
         if secret is None or not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
             return False
+        expected = seal(secret, job_id, generation, rank, seq, kind)
         if not (isinstance(given, str)
-                and hmac.compare_digest(given, seal(secret, job_id, generation, rank, seq, kind))):
+                and hmac.compare_digest(given.encode(), expected.encode())):
             return False
         seen = self._seen.setdefault((job_id, generation, rank), _Seen())
         if seq > seen.newest:

@@ -23,7 +23,8 @@ from nbtrain.engine.assets import token_matches
 if TYPE_CHECKING:
     from nbtrain.engine.controller import ClusterController
 
-__all__ = ["PUBLIC_FIELDS", "Role", "may_read_metrics", "refusal", "role_of", "shown_status"]
+__all__ = ["PUBLIC_FIELDS", "Role", "may_read_metrics", "public_event", "refusal", "role_of",
+           "shown_status"]
 
 #: A job's status fields every client of the cluster sees (what the queue and the class view
 #: need to explain who holds what and who waits).
@@ -39,11 +40,12 @@ class Role(enum.Enum):
     OTHER = "other"
 
 
-def role_of(ctl: ClusterController, job_id: str, token: object) -> Role:
-    """What the caller showing ``token`` is to ``job_id`` (a job the controller holds)."""
-    if token_matches(token, ctl.assets[job_id].token_hash):
+def role_of(ctl: ClusterController, job_id: str, *tokens: object) -> Role:
+    """What the caller showing ``tokens`` (its job token, its operator token) is to
+    ``job_id`` (a job the controller holds): the best role any of them gives."""
+    if any(token_matches(t, ctl.assets[job_id].token_hash) for t in tokens):
         return Role.OWNER
-    if token_matches(token, ctl.operator_hash):
+    if any(token_matches(t, ctl.operator_hash) for t in tokens):
         return Role.OPERATOR
     return Role.OTHER
 
@@ -63,6 +65,15 @@ def shown_status(ctl: ClusterController, status: Mapping[str, Any], role: Role
                      f"{status.get('name')} only to its owner ({status.get('owner') or '?'}) "
                      "and the operator (visibility='owner')")
     return out
+
+
+#: Event fields that say where a job's checkpoints are (the owner's and the operator's).
+PRIVATE_EVENT_FIELDS = frozenset({"url"})
+
+
+def public_event(event: Mapping[str, Any]) -> dict[str, Any]:
+    """An event as another client may see it."""
+    return {k: v for k, v in event.items() if k not in PRIVATE_EVENT_FIELDS}
 
 
 def refusal(status: Mapping[str, Any], what: str) -> PermissionError:

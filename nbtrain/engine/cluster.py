@@ -92,11 +92,21 @@ class Cluster:
         token (empty when it has none)."""
         return token or self._remote.operator_token
 
+    def read_tokens(self, job_id: str, token: str) -> dict[str, Any]:
+        """What a read of one job carries: its token (if this client has one) and this
+        client's operator token; the controller grants the better of the two."""
+        return {"tokens": {job_id: token} if token else {}, "token": self._remote.operator_token}
+
     def credentials(self) -> dict[str, Any]:
         """What a listing carries so the controller shows this client what it may read:
         its operator token and the tokens of the jobs it holds handles of."""
         tokens = {jid: h.token for jid, h in list(self._handles.items()) if h.token}
         return {"token": self._remote.operator_token, "tokens": tokens}
+
+    @property
+    def operator_token(self) -> str:
+        """This client's operator token ("" when it has none)."""
+        return self._remote.operator_token
 
     def follow(self, handle: JobHandle) -> None:
         """Keep ``handle`` current (the cluster's follower thread)."""
@@ -170,7 +180,8 @@ class Cluster:
             # kernel): ask again with it, for what only the owner may read.
             own = token or self._tokens.get(self.address, job_id)
             if own:
-                info = self._remote.call("nbtrain_job", key=job_id, token=own)
+                info = self._remote.call("nbtrain_job", key=job_id, token=own,
+                                         operator=self._remote.operator_token)
             held = self._handles.get(job_id)
             if token is not None and held is not None and held.token != token:
                 # A handle that watched without the token saw less: start a fresh one.

@@ -245,7 +245,8 @@ class ClusterController(SchedulerPlugin):
 
         sub = submission_from_wire(sj.submission)
         assets = JobAssets(
-            spec=sub.spec, recipe=sj.recipe, settings=Settings.from_dict(sj.settings),
+            spec=sub.spec, recipe=sj.recipe,
+            settings=Settings.from_dict(sj.settings, lenient=True),  # journaled under old rules
             checkpoint_url=sj.checkpoint_url,
             restore=(str(sj.restore[0]), None if sj.restore[1] is None else int(sj.restore[1]))
             if sj.restore else None,

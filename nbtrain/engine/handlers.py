@@ -29,7 +29,14 @@ from nbtrain.core.faults import Fault
 from nbtrain.core.job import JobState
 from nbtrain.core.lifecycle_types import Rejected, Request, Submitted
 from nbtrain.core.rankseal import secret_matches
-from nbtrain.engine.access import Role, may_read_metrics, refusal, role_of, shown_status
+from nbtrain.engine.access import (
+    Role,
+    may_read_metrics,
+    public_event,
+    refusal,
+    role_of,
+    shown_status,
+)
 from nbtrain.engine.joblog import JobLog
 from nbtrain.engine.wire import error_reply, submission_from_wire
 
@@ -222,7 +229,7 @@ async def follow(ctl: ClusterController, *, cursors: Mapping[str, list[int]],
     may not, and why."""
     cursors = _checked_cursors(cursors)
     tokens = dict(tokens or {})
-    roles = {jid: _role(ctl, jid, tokens.get(jid) or token) for jid in cursors}
+    roles = {jid: _role(ctl, jid, tokens.get(jid), token) for jid in cursors}
     cursors = {jid: _readable(ctl, roles[jid], _from_newest(ctl, jid, c))
                for jid, c in cursors.items()}
     max_rows = max(0, min(int(max_rows), FOLLOW_ROWS_MAX))
@@ -248,12 +255,17 @@ async def follow(ctl: ClusterController, *, cursors: Mapping[str, list[int]],
         if assets is None:  # an ended job no longer in memory: read it back
             stored = await asyncio.to_thread(ctl.store.job, str(jid))
             if stored is not None and stored.job_id == jid:
-                assets = ctl.archive(stored)
+                try:
+                    assets = ctl.archive(stored)
+                except Exception:  # one unreadable record must not fail the whole reply
+                    import logging
+
+                    logging.getLogger(__name__).exception("nbtrain: reading back job %s", jid)
         status = ctl.job_status(jid) if assets is not None else None
         if assets is None or status is None:
             out[jid] = {"gone": True}
             continue
-        role = roles[jid] or role_of(ctl, jid, tokens.get(jid) or token)  # (read back)
+        role = roles[jid] or role_of(ctl, jid, tokens.get(jid), token)  # (read back)
         rows_from, events_from, output_from = _readable(ctl, role, cursor)
         update = assets.log.since(rows_from, events_from, max_rows, output_from)
         await _older_from_store(ctl, jid, assets.log, update,
@@ -300,9 +312,9 @@ def _checked_cursors(cursors: object) -> dict[str, list[int]]:
     return out
 
 
-def _role(ctl: ClusterController, job_id: str, token: object) -> Role | None:
+def _role(ctl: ClusterController, job_id: str, *tokens: object) -> Role | None:
     """The caller's role for a job in memory (None: not in memory now)."""
-    return role_of(ctl, job_id, token) if job_id in ctl.assets else None
+    return role_of(ctl, job_id, *tokens) if job_id in ctl.assets else None
 
 
 def _readable(ctl: ClusterController, role: Role | None, cursor: list[int]) -> list[int]:
@@ -321,6 +333,8 @@ def _withhold(ctl: ClusterController, role: Role, status: Mapping[str, Any],
     if role is not Role.OTHER:
         return
     hidden = ["output"] if may_read_metrics(ctl, role) else ["rows", "events", "output"]
+    if "events" in update and "events" not in hidden:
+        update["events"] = [public_event(e) for e in update["events"]]
     for part in hidden:
         for key in (part, f"{part}_at", f"{part}_end"):
             update.pop(key, None)
@@ -364,11 +378,12 @@ def _listing(ctl: ClusterController, token: str = "",
     for jid in ctl.job_ids():
         status = ctl.job_status(jid)
         if status is not None:
-            out.append(shown_status(ctl, status, role_of(ctl, jid, tokens.get(jid) or token)))
+            out.append(shown_status(ctl, status, role_of(ctl, jid, tokens.get(jid), token)))
     return out
 
 
-async def job(ctl: ClusterController, *, key: str, token: str = "") -> dict[str, Any]:
+async def job(ctl: ClusterController, *, key: str, token: str = "", operator: str = ""
+              ) -> dict[str, Any]:
     """One job by id, or the newest job of that name: what a client needs to attach
     (an old ended job is read back from the journal). Where its checkpoints are only for
     its owner and the operator."""
@@ -392,18 +407,22 @@ async def job(ctl: ClusterController, *, key: str, token: str = "") -> dict[str,
     assets = ctl.assets[key]
     from nbtrain.engine.wire import plain
 
-    role = role_of(ctl, key, token)
+    role = role_of(ctl, key, token, operator)
     status = ctl.job_status(key) or {}
-    return {"job_id": key, "spec": plain(assets.spec),
+    spec = plain(assets.spec)
+    if role is Role.OTHER:
+        spec["resume"] = None  # a checkpoint location too
+    return {"job_id": key, "spec": spec,
             "checkpoint_url": "" if role is Role.OTHER else assets.checkpoint_url,
             "status": shown_status(ctl, status, role)}
 
 
-async def result(ctl: ClusterController, *, job_id: str, token: str = "") -> dict[str, Any]:
+async def result(ctl: ClusterController, *, job_id: str, token: str = "", operator: str = ""
+                 ) -> dict[str, Any]:
     """A training function's return value on rank 0 (pickled bytes, None if it returned
     nothing), or why there is none: for the job's owner and the operator only."""
     status = _known(ctl, job_id)
-    if role_of(ctl, job_id, token) is Role.OTHER:
+    if role_of(ctl, job_id, token, operator) is Role.OTHER:
         raise refusal(status, "result")
     assets = ctl.assets[job_id]
     if assets.final is not None and assets.result is None and assets.result_error is None:

@@ -110,6 +110,19 @@ class JobHandle:
         over from another kernel); a wrong one is refused by the controller."""
         with self._lock:
             self._token = token
+            hidden, self._refused = bool(self._refused), {}
+        if self._cluster is not None:
+            info = self._cluster.rpc("nbtrain_job", key=self.id, token=token,
+                                     operator=self._cluster.operator_token)
+            self._checkpoint_url = str(info.get("checkpoint_url") or "")
+            if hidden:  # it followed without the token: follow again, from the start
+                with self._lock:
+                    self._rows.rewind(0)
+                    self._events.rewind(0)
+                    self._output.rewind(0)
+                    self._frame = None
+                    self._following = False
+                    self._done.clear()
 
     @property
     def owner(self) -> str:
@@ -123,9 +136,9 @@ class JobHandle:
         return str(self._get("hidden", ""))
 
     def follow_token(self) -> str:
-        """(for the cluster's follower) What this handle shows the controller: the job's
-        token, else the client's operator token."""
-        return self._cluster.credential(self._token) if self._cluster is not None else ""
+        """(for the cluster's follower) The job's token this handle shows the controller
+        ("" when it has none; the follower adds the client's operator token)."""
+        return self._token
 
     def _readable(self, part: str) -> None:
         """PermissionError naming the job, its owner and the fix, when the controller does
@@ -279,7 +292,7 @@ class JobHandle:
             try:
                 reply = self._cluster.rpc(
                     "nbtrain_follow", cursors={self.id: [pos, 1 << 62, 1 << 62]}, timeout=0,
-                    tokens={self.id: self.follow_token()})
+                    **self._cluster.read_tokens(self.id, self._token))
             except Exception as exc:
                 _log.warning("nbtrain: job %s: rows %d-%d could not be read from the "
                              "controller (%s)", self.name, pos, stop, exc)
@@ -510,7 +523,8 @@ class JobHandle:
             return self
         if self._cluster is None:
             raise RuntimeError(f"job {self.name}: this handle is not attached to a cluster")
-        reply = self._cluster.rpc("nbtrain_result", job_id=self.id, token=self.follow_token())
+        reply = self._cluster.rpc("nbtrain_result", job_id=self.id, token=self._token,
+                                  operator=self._cluster.operator_token)
         if reply.get("error"):
             raise JobFailedError(f"job {self.name} succeeded but its result did not come back: "
                                  f"{reply['error']}")
@@ -570,7 +584,7 @@ class JobHandle:
         # Rows: only the newest window (a negative cursor); older ones are read on demand.
         reply = self._cluster.rpc(
             "nbtrain_follow", cursors={self.id: [-self._rows.keep, 0, 0]}, timeout=0,
-            tokens={self.id: self.follow_token()})
+            **self._cluster.read_tokens(self.id, self._token))
         update = reply["jobs"].get(self.id)
         if update is not None:
             self.follow_update(update)

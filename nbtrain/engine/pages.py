@@ -165,6 +165,10 @@ class ControllerFeed:
         if assets is None:
             return [], position
         at, events = assets.log.events.since(position, 1_000)
+        if not check_ticket(self.ctl, self.job_id, self.ticket):  # another user's view
+            from nbtrain.engine.access import public_event
+
+            return [public_event(e) for e in events], at + len(events)
         return [dict(e) for e in events], at + len(events)
 
     def status(self) -> Mapping[str, Any]:

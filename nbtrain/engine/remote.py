@@ -121,9 +121,10 @@ class Follower:
                 self._wake.clear()
                 continue
             cursors = {jid: list(h.follow_position()) for jid, h in handles.items()}
-            tokens = {jid: h.follow_token() for jid, h in handles.items()}
+            tokens = {jid: h.follow_token() for jid, h in handles.items() if h.follow_token()}
             try:
                 reply = self.remote.call("nbtrain_follow", cursors=cursors, tokens=tokens,
+                                         token=self.remote.operator_token,
                                          timeout=FOLLOW_TIMEOUT_S,
                                          rpc_timeout=FOLLOW_TIMEOUT_S + UNREACHABLE_AFTER_S)
             except Exception as exc:

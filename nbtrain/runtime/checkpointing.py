@@ -117,11 +117,13 @@ class RankCheckpointing:
             outcome, loaded, why = LOAD_OK, None, ""
             try:
                 loaded = self._load(store, step)
-            except CheckpointError as exc:  # corrupt, partial or unreadable: try an older one
-                outcome, why = LOAD_SKIP, str(exc)
             except SnapshotError as exc:  # does not fit the tracked state: older ones neither
                 outcome, why = LOAD_MISFIT, str(exc)
-            worst = torch.tensor([outcome], dtype=torch.int64)
+            except Exception as exc:  # corrupt, partial or unreadable: try an older one
+                outcome, why = LOAD_SKIP, str(exc) if isinstance(exc, CheckpointError) else (
+                    f"{store.step_url(step)}: {type(exc).__name__}: {exc}")
+            # (every rank reaches this all-reduce, whatever its load did)
+            worst = torch.tensor([outcome], dtype=torch.int64, device=_collective_device())
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
             if int(worst) == LOAD_OK:
                 assert loaded is not None
@@ -139,8 +141,11 @@ class RankCheckpointing:
     def _check_storage(self, host: str, write_error: str) -> None:
         """Every rank sees every rank's probe file in the job's directory, or every rank
         raises, naming who saw what (commits would otherwise wait out their timeout)."""
-        unseen = () if write_error else tuple(self.store.unseen_probes(
-            self.attempt, range(self.world_size)))
+        try:
+            unseen = () if write_error else tuple(self.store.unseen_probes(
+                self.attempt, range(self.world_size)))
+        except Exception as exc:  # reported with the others', after the gather
+            write_error, unseen = f"cannot list it: {type(exc).__name__}: {exc}", ()
         reports: list[Any] = [None] * self.world_size
         dist.all_gather_object(reports, ProbeReport(self.rank, host, write_error, unseen))
         self.store.remove_probe(self.attempt, self.rank)
@@ -152,7 +157,7 @@ class RankCheckpointing:
         """This rank's view of one source: its committed steps at or before ``at``."""
         try:
             steps = CheckpointStore(url, keep=self.plan.keep).committed()
-        except (CheckpointError, OSError):
+        except Exception:  # unreadable here: this rank sees nothing there (named if it matters)
             return ()
         return tuple(s for s in steps if at is None or s <= at)[:STEPS_SHOWN]
 
@@ -238,3 +243,11 @@ class RankCheckpointing:
         note = self.writer.abandon(timeout=5.0)
         if note:
             logger.warning("nbtrain rank %d: %s", self.rank, note)
+
+
+def _collective_device() -> torch.device:
+    """Where a small agreement tensor must live for the default process group (NCCL takes
+    CUDA tensors only)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -14,6 +14,7 @@ your own cluster set it too (``DASK_DISTRIBUTED__WORKER__DAEMON=False`` for the 
 from __future__ import annotations
 
 import multiprocessing
+import pickle
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -136,7 +137,14 @@ class ShardedLoader:
                 collate_fn=_ByValue(self.collate_fn),
                 prefetch_factor=self.prefetch_factor,
                 multiprocessing_context=_worker_context())
-            self._prefetch = iter(loader)
+            try:
+                self._prefetch = iter(loader)
+            except (TypeError, AttributeError, pickle.PicklingError) as exc:
+                raise TypeError(
+                    f"num_workers={self.num_workers}: the dataset "
+                    f"({type(self.dataset).__name__}) cannot be sent to DataLoader worker "
+                    f"processes ({type(exc).__name__}: {exc}); open files or connections "
+                    "lazily in __getitem__ (not in __init__), or use num_workers=0") from exc
         batch = next(self._prefetch)
         self.next_indices()  # the consumed position, for checkpoints
         return batch

@@ -592,7 +592,7 @@ class CheckpointStore:
             self.fs.makedirs(self.root, exist_ok=True)
             with self.fs.open(self._probe_path(attempt, rank), "wb") as f:
                 f.write(b"nbtrain storage probe\n")
-        except OSError as e:
+        except Exception as e:  # any store's error: reported by every rank together
             return f"{type(e).__name__}: {e}"
         return ""
 
@@ -603,7 +603,7 @@ class CheckpointStore:
         return [r for r in ranks if not self.fs.exists(self._probe_path(attempt, r))]
 
     def remove_probe(self, attempt: str, rank: int) -> None:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(Exception):
             self.fs.rm(self._probe_path(attempt, rank))
 
     def committed(self) -> list[int]:
