@@ -281,10 +281,11 @@ def _check_size(job: object, settings: object, trackers: object) -> None:
     """ValueError when a submission is bigger than any real one (bounded before parsing)."""
     import json
 
-    if trackers is not None and (not isinstance(trackers, list)
+    # (Dask's messages turn lists into tuples on the way)
+    if trackers is not None and (not isinstance(trackers, list | tuple)
                                  or len(trackers) > TRACKERS_MAX):
-        raise ValueError(f"a job may have at most {TRACKERS_MAX} trackers (a list), got "
-                         f"{trackers if not isinstance(trackers, list) else len(trackers)!r}")
+        what = len(trackers) if isinstance(trackers, list | tuple) else repr(trackers)
+        raise ValueError(f"a job may have at most {TRACKERS_MAX} trackers (a list), got {what}")
     try:
         size = len(json.dumps([job, settings, trackers], default=str))
     except (TypeError, ValueError) as exc:
