@@ -252,8 +252,13 @@ class RefusingController:
     """What a handle calls on its cluster, answering every request as the controller's
     machine answers a resume of a job that is not PREEMPTED."""
 
+    operator_token = ""
+
     def credential(self, token: str) -> str:
         return token
+
+    def read_tokens(self, job_id: str, token: str) -> dict[str, object]:
+        return {"tokens": {job_id: token} if token else {}, "token": ""}
 
     def follow(self, handle: object) -> None:
         pass
