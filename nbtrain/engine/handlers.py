@@ -176,11 +176,8 @@ async def request(ctl: ClusterController, *, job_id: str, what: str, arg: Any = 
 def check_owner(ctl: ClusterController, job_id: str, token: str, what: str,
                 status: Mapping[str, Any] | None = None) -> None:
     """PermissionError unless ``token`` is the job's or the operator's."""
-    from nbtrain.engine.assets import token_matches
-
     status = status or _known(ctl, job_id)
-    assets = ctl.assets[job_id]
-    if not (token_matches(token, assets.token_hash) or _is_operator(ctl, token)):
+    if role_of(ctl, job_id, token) is Role.OTHER:
         owner = status["owner"] or "another client"
         raise PermissionError(
             f"job {status['name']} ({job_id}) belongs to {owner}: only the handle that "

@@ -135,11 +135,6 @@ class JobHandle:
         sees them."""
         return str(self._get("hidden", ""))
 
-    def follow_token(self) -> str:
-        """(for the cluster's follower) The job's token this handle shows the controller
-        ("" when it has none; the follower adds the client's operator token)."""
-        return self._token
-
     def _readable(self, part: str) -> None:
         """PermissionError naming the job, its owner and the fix, when the controller does
         not show this client ``part`` ("rows", "events", "output") of the job."""
@@ -150,10 +145,10 @@ class JobHandle:
 
     def _checkpoint_location(self) -> str:
         if not self._checkpoint_url and self._cluster is not None:
-            raise PermissionError(
-                f"job {self.name} ({self.id}) belongs to {self.owner or 'another client'}: "
-                "where its checkpoints are is known only to the handle that submitted it, a "
-                "client holding its token (cluster.job(name, token=...)), or the operator")
+            from nbtrain.engine.access import refusal
+
+            raise refusal({"name": self.name, "job_id": self.id, "owner": self.owner},
+                          "checkpoint location")
         return self._checkpoint_url
 
     # -- state (read from any thread) ---------------------------------------------------

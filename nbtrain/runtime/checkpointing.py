@@ -77,13 +77,13 @@ class RankCheckpointing:
         self.loader = loader
         self.store = CheckpointStore(plan.url, keep=plan.keep)
         self.policy = CheckpointPolicy(plan.policy, now=time.monotonic())
+        self.attempt = f"g{generation}"  # this generation's saves and storage probes
         self.writer = AsyncCheckpointer(
-            self.store, rank=rank, world_size=world_size, attempt=f"g{generation}",
+            self.store, rank=rank, world_size=world_size, attempt=self.attempt,
             job=job, on_event=on_event, commit_timeout_s=plan.commit_timeout_s,
             layout="dcp", mesh_dims=mesh_dims,
         )
         self.last_saved_step = -1
-        self.attempt = f"g{generation}"
 
     def bind(self, state: dict[str, Any], loader: PositionedLoader | None) -> None:
         """What checkpoints hold, known when the training loop starts."""
