@@ -24,7 +24,12 @@ from typing import Any
 
 import dask.config
 
-from nbtrain.core.checkpoint_policy import DEFAULT_COMMIT_TIMEOUT_S, DEFAULT_MTBF_S
+from nbtrain.core.checkpoint_policy import (
+    DEFAULT_COMMIT_TIMEOUT_S,
+    DEFAULT_MTBF_S,
+    PREEMPT_COMMIT_SHARE,
+    preemption_commit_s,
+)
 from nbtrain.core.lifecycle_types import JobPolicy, MachineConfig
 from nbtrain.core.sched_types import SchedulerConfig
 
@@ -82,7 +87,9 @@ class Settings:
     #: Committed checkpoints kept per job (the newest is never deleted).
     checkpoint_keep: int = 3
     #: How long rank 0 waits for every rank's shard before a checkpoint is marked failed.
-    #: Longer than the slowest rank's write of one shard.
+    #: Longer than the slowest rank's write of one shard. A preemption's or resize's final
+    #: checkpoint waits at most ``min(this, 0.75 x preempt_grace_s)``, so it gives up before
+    #: the ranks are stopped; the job then resumes from its previous checkpoint, uncharged.
     checkpoint_commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S
     #: Mean time between failures of a job, for ``checkpoint="auto"`` (Young/Daly).
     mtbf_s: float = DEFAULT_MTBF_S
@@ -336,9 +343,11 @@ def _incoherent(s: Settings) -> list[str]:
     if commit > grace and not _REMADE.get():
         warnings.warn(
             f"checkpoint_commit_timeout_s ({commit:g}) is longer than preempt_grace_s "
-            f"({grace:g}): a preempted job's checkpoint that takes longer than the grace is "
-            "cut off and the job resumes from its previous one; raise preempt_grace_s or "
-            "lower the commit timeout", UserWarning, stacklevel=4)
+            f"({grace:g}): a preempted job's final checkpoint may take only "
+            f"{preemption_commit_s(commit, grace):g} s ({PREEMPT_COMMIT_SHARE:g} of the grace); "
+            "one that takes longer does not commit and the job resumes from its previous one "
+            "(no restart charged); raise preempt_grace_s if checkpoints take that long",
+            UserWarning, stacklevel=4)
     return out
 
 

@@ -18,7 +18,7 @@ from nbtrain.core.lifecycle_types import (
     WorkerLeft,
 )
 from nbtrain.core.sched_types import SchedulerConfig
-from tests.test_lifecycle import POLICY, Harness
+from tests.test_lifecycle import POLICY, Harness, uncommitted_exit
 
 
 def submit(h: Harness, job_id: str, world_size: int, *, min_size: int | None = None,
@@ -75,6 +75,23 @@ def test_user_shrinks_then_grows_a_running_job() -> None:
     h.steps("a", third.generation, 11, ranks=[0, 1])
     assert h.m.status("a").size == 2
     assert h.m.status("a").restarts == 0  # resizes spend no restart budget
+
+
+def test_a_resize_whose_checkpoint_does_not_commit_resumes_from_the_last_one() -> None:
+    h = Harness(workers=2)
+    submit(h, "a", 2, min_size=1)
+    first = running(h, "a", upto=9)
+    h.committed("a", first.generation, 6)
+    resize(h, "a", 1)
+    uncommitted_exit(h, "a", first.generation, 2, 9, error="the checkpoint at step 9 did "
+                     "not persist and commit within 90 s")
+    second = h.launches("a")[-1]
+    assert second.generation == first.generation + 1 and len(second.addresses) == 1
+    [lost] = h.events("a", "uncommitted")
+    assert (lost["cause"], lost["step"], lost["lost_steps"]) == ("resize", 6, 3)
+    h.steps("a", second.generation, 8, ranks=[0])
+    status = h.m.status("a")
+    assert (status.state, status.size, status.restarts) == ("RUNNING", 1, 0)
 
 
 def test_growth_takes_what_is_free_and_says_what_it_waits_for() -> None:

@@ -463,6 +463,52 @@ def test_failure_during_the_preemption_checkpoint_keeps_the_job_preempted() -> N
     assert "resumes from step 20" in h.reason("a")
 
 
+def uncommitted_exit(h: Harness, job_id: str, gen: int, ranks: int, step: int,
+                     error: str = "CheckpointError: receipts of ranks [1] missing") -> None:
+    """Every rank exits preempted at ``step``; the committer says its checkpoint did not
+    commit (what ``run_rank`` reports when the final commit fails or runs out of time)."""
+    for rank in range(ranks):
+        summary: dict[str, Any] = {"outcome": "preempted", "step": step,
+                                   "checkpoint_step": step,
+                                   "checkpoint_committed": rank != 0,
+                                   "checkpoint_error": error if rank == 0 else None}
+        h.feed(RankExit, job_id, gen, rank, summary)
+
+
+def test_a_preemption_checkpoint_that_does_not_commit_costs_only_uncommitted_steps() -> None:
+    h = Harness(workers=2, grace_s=30)
+    run_to_running(h, "low")
+    h.committed("low", 0, 20)
+    h.steps("low", 0, 27)
+    h.submit("high", 2, priority=5)
+    uncommitted_exit(h, "low", 0, 2, 27)
+    assert h.state("low") == "QUEUED"
+    assert h.m.status("low").restarts == 0  # no restart charged
+    assert "its checkpoint did not commit: 7 steps lost" in h.reason("low")
+    [lost] = h.events("low", "uncommitted")
+    assert lost["step"] == 20 and lost["lost_steps"] == 7 and lost["cause"] == "scheduler"
+    assert "receipts of ranks [1] missing" in lost["reason"]
+    [pre] = h.events("low", "preemption")
+    assert pre["step"] == 20 and pre["lost_steps"] == 7 and not pre["forced"]
+    assert not h.events("low", "fault")
+    assert h.launches("high")
+
+
+def test_preempted_over_and_over_with_failing_commits_never_fails_the_job() -> None:
+    """More failed preemption commits than the restart budget allows faults: still uncharged."""
+    h = Harness(workers=2, grace_s=30)
+    run_to_running(h, "low")
+    h.committed("low", 0, 10)
+    for gen in range(JobSpec.max_restarts + 2):
+        h.feed(Request, "low", "preempt")
+        uncommitted_exit(h, "low", gen, 2, 12 + gen)
+        assert h.state("low") == "PREEMPTED", gen
+        h.feed(Request, "low", "resume")
+        h.steps("low", gen + 1, 12 + gen + 1)
+    assert h.state("low") == "RUNNING" and h.m.status("low").restarts == 0
+    assert len(h.events("low", "uncommitted")) == JobSpec.max_restarts + 2
+
+
 def test_inject_delivers_to_the_rank_and_planned_faults_travel_with_the_launch() -> None:
     h = Harness()
     planned = Fault("kill", rank=1, step=7)

@@ -19,19 +19,32 @@ from dataclasses import dataclass
 
 __all__ = [
     "DEFAULT_COMMIT_TIMEOUT_S",
+    "PREEMPT_COMMIT_SHARE",
     "CheckpointPolicy",
     "CheckpointPolicyConfig",
     "parse_checkpoint_setting",
+    "preemption_commit_s",
     "young_daly_interval",
 ]
 
 DEFAULT_MTBF_S = 6 * 3600.0
 #: How long rank 0 waits for every rank's shard before a checkpoint is marked failed: the
 #: one default of ``Settings.checkpoint_commit_timeout_s``, the launch's plan and storage.
-#: Longer than the slowest rank's write of one shard, and shorter than the preemption grace
-#: (``SchedulerConfig.preempt_grace_s``, 120 s), so a preempted job's commit gives up before
-#: its ranks are stopped.
+#: Longer than the slowest rank's write of one shard. A preempted job's final commit waits at
+#: most ``preemption_commit_s`` of it, which fits inside the preemption grace.
 DEFAULT_COMMIT_TIMEOUT_S = 100.0
+#: Share of the preemption grace a preempted job's final checkpoint may take to persist and
+#: commit. The rest is for the ranks to exit before the controller stops them, so the commit
+#: fails cleanly (and the job resumes from its previous checkpoint, uncharged) instead of being
+#: cut off mid-write.
+PREEMPT_COMMIT_SHARE = 0.75
+
+
+def preemption_commit_s(commit_timeout_s: float, preempt_grace_s: float) -> float:
+    """How long a preempted (or resized) job's final checkpoint may take: the commit timeout,
+    capped at ``PREEMPT_COMMIT_SHARE`` of the grace, so the two timeouts are coherent whatever
+    values they are set to (``Settings`` need not order them)."""
+    return max(0.1, min(commit_timeout_s, PREEMPT_COMMIT_SHARE * preempt_grace_s))
 
 
 def young_daly_interval(cost_s: float, mtbf_s: float) -> float:

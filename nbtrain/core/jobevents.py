@@ -27,6 +27,7 @@ __all__ = [
     "ResizeEvent",
     "SlowEvent",
     "StateEvent",
+    "UncommittedEvent",
     "fault_event",
     "nonfinite_event",
     "preemption_event",
@@ -34,6 +35,7 @@ __all__ = [
     "resize_event",
     "slow_event",
     "state_event",
+    "uncommitted_event",
 ]
 
 #: Kinds the rank runtime emits (``steps`` carries step rows, see ``core.records``; ``device``
@@ -43,7 +45,7 @@ RANK_KINDS = ("steps", "device", "rank_started", "checkpoint", "fault_injected",
               "rank_finished", "log", "data", "phase", "memory")
 #: Kinds the job machine emits.
 CONTROLLER_KINDS = ("state", "fault", "recovery", "preemption", "straggler", "mitigation",
-                    "nonfinite", "resize", "slow")
+                    "nonfinite", "resize", "slow", "uncommitted")
 
 
 class StateEvent(TypedDict):
@@ -96,6 +98,20 @@ class PreemptionEvent(TypedDict):
     step: int  # the step it resumes from
     forced: bool
     lost_steps: int
+
+
+class UncommittedEvent(TypedDict):
+    """A preemption's or resize's final checkpoint did not commit: the job goes on from its
+    last committed checkpoint (``step``), losing ``lost_steps``; no restart is charged."""
+
+    kind: Literal["uncommitted"]
+    time: float
+    cause: str  # the preemption's cause: "user" | "scheduler" | "replace" | "resize"
+    generation: int  # the generation that ended
+    step: int  # the step it resumes from
+    lost_steps: int
+    error: str  # why the checkpoint did not commit, as the committing rank saw it
+    reason: str
 
 
 class NonFiniteEvent(TypedDict):
@@ -184,6 +200,14 @@ def preemption_event(time: float, *, cause: str, reason: str, for_job: str | Non
     return {"kind": "preemption", "time": time, "cause": cause, "reason": reason,
             "for_job": for_job, "generation": generation, "step": step, "forced": forced,
             "lost_steps": lost_steps}
+
+
+def uncommitted_event(time: float, *, cause: str, generation: int, step: int,
+                      lost_steps: int, error: str) -> UncommittedEvent:
+    reason = (f"the {cause} checkpoint did not commit ({error}); resuming from step {step}, "
+              f"{lost_steps} uncommitted steps lost, no restart charged")
+    return {"kind": "uncommitted", "time": time, "cause": cause, "generation": generation,
+            "step": step, "lost_steps": lost_steps, "error": error, "reason": reason}
 
 
 def rank_event(kind: str, *, job: str, rank: int, gen: int, time: float,

@@ -22,7 +22,7 @@ from typing import Any
 
 from nbtrain.core.explain import fault_list, restart_budget, resume_rejected
 from nbtrain.core.job import JobState
-from nbtrain.core.jobevents import preemption_event, resize_event
+from nbtrain.core.jobevents import preemption_event, resize_event, uncommitted_event
 from nbtrain.core.jobrecord import CONTROLLER_RESTARTED, Generation, LiveJob, Preemption
 from nbtrain.core.lifecycle_types import CarriedHistory, Deliver, Rejected
 from nbtrain.core.outbox import Outbox
@@ -285,9 +285,15 @@ def _preempted(job: LiveJob, gen: Generation, step: int, now: float, avoid: froz
     assert pre is not None
     job.preempt = None
     lost = 0
-    if gen.forced:
+    uncommitted = _uncommitted_checkpoint(gen)
+    if gen.forced or uncommitted:
+        # Back to the last committed checkpoint: only the steps after it are lost, and a
+        # preemption's checkpoint that did not commit is no failure (no restart is charged).
         lost = job.ledger.rollback(job.committed_step)
         step = job.committed_step
+    if uncommitted:
+        out.publish(job, uncommitted_event(out.wall, cause=pre.cause, generation=gen.number,
+                                           step=step, lost_steps=lost, error=uncommitted))
     if pre.cause != "resize":
         out.publish(job, preemption_event(
             out.wall, cause=pre.cause, reason=pre.reason, for_job=pre.for_job,
@@ -300,8 +306,9 @@ def _preempted(job: LiveJob, gen: Generation, step: int, now: float, avoid: froz
         out.publish_cluster({"kind": "preemption", "job": job.id,
                              "reason": f"{job.name} preempted by its owner at step {step}"})
         job.ledger.enter("queued", now)
-        out.set_state(job, JobState.PREEMPTED, f"checkpointed at step {step} and released its "
-                                               "slots; resume() to continue")
+        done = (f"released its slots; its checkpoint did not commit, so it resumes from step "
+                f"{step}" if uncommitted else f"checkpointed at step {step} and released its slots")
+        out.set_state(job, JobState.PREEMPTED, f"{done}; resume() to continue")
         return Suspend(now, job.id)
     if pre.cause == "replace":
         job.recovering = f"replacing a straggler ({pre.reason})"
@@ -310,11 +317,22 @@ def _preempted(job: LiveJob, gen: Generation, step: int, now: float, avoid: froz
         out.set_state(job, JobState.QUEUED, f"{job.recovering}: waiting for slots")
         slow = {pre.slot} if pre.slot else set()
         return Released(now, job.id, avoid=frozenset(slow | avoid))
-    forced = f" (forced: {lost} uncommitted steps lost)" if gen.forced else ""
+    forced = (f" (forced: {lost} uncommitted steps lost)" if gen.forced
+              else f" (its checkpoint did not commit: {lost} steps lost)" if uncommitted else "")
     job.queue_note = f"preempted for job {name_of(pre.for_job)} at step {step}{forced}"
     job.ledger.enter("queued", now)
     out.set_state(job, JobState.QUEUED, f"{job.queue_note}: waiting for slots")
     return Released(now, job.id, avoid=avoid)
+
+
+def _uncommitted_checkpoint(gen: Generation) -> str:
+    """Why the committer's final checkpoint of a preempted generation did not commit ("" if
+    it did, or the job takes no checkpoints)."""
+    summary = gen.outcomes.get(0, {})
+    if (summary.get("checkpoint_committed") is not False or summary.get("forced")
+            or summary.get("checkpoint_step") is None):
+        return ""
+    return str(summary.get("checkpoint_error") or "no commit")
 
 
 def generation_failed(job: LiveJob, gen: Generation, fault: dict[str, Any], *, now: float,

@@ -39,7 +39,7 @@ from typing import Any
 from distributed import Client, Future, SchedulerPlugin
 
 from nbtrain.config import Settings
-from nbtrain.core.checkpoint_policy import parse_checkpoint_setting
+from nbtrain.core.checkpoint_policy import parse_checkpoint_setting, preemption_commit_s
 from nbtrain.core.health import hung_ranks, rank_stacks
 from nbtrain.core.lifecycle import JobMachine
 from nbtrain.core.lifecycle_types import (
@@ -594,7 +594,9 @@ class ClusterController(SchedulerPlugin):
             url=assets.checkpoint_url,
             policy=parse_checkpoint_setting(assets.spec.checkpoint, mtbf_s=s.mtbf_s),
             keep=s.checkpoint_keep, restore_from=tuple(restore),
-            commit_timeout_s=s.checkpoint_commit_timeout_s)
+            commit_timeout_s=s.checkpoint_commit_timeout_s,
+            preempt_commit_s=preemption_commit_s(s.checkpoint_commit_timeout_s,
+                                                 s.preempt_grace_s))
 
     async def _await_rank(self, job_id: str, generation: int, rank: int, host: str,
                           fut: Future) -> None:

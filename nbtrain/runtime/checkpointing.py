@@ -234,7 +234,18 @@ class RankCheckpointing:
         return result
 
     def finish(self, timeout: float | None = None) -> SaveResult | None:
-        """Wait for the checkpoint in flight (persisted, and committed on the committer)."""
+        """Wait for the checkpoint in flight (persisted, and committed on the committer). One
+        that takes longer than ``timeout`` is abandoned (fenced: it can no longer commit) and
+        reported as an uncommitted result, never raised."""
+        try:
+            self.writer.wait(timeout)
+        except TimeoutError:
+            note = self.writer.abandon(timeout=1.0)
+            step = self.last_saved_step
+            error = (f"the checkpoint at step {step} did not persist and commit within "
+                     f"{timeout:g} s")
+            return SaveResult(step=step, bytes=0, blocking_s=0.0, wait_s=0.0, error=error,
+                              phase="timeout" if not note else f"timeout ({note})")
         return self.writer.close(timeout)
 
     def abandon(self) -> None:

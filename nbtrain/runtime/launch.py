@@ -11,9 +11,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbtrain.config import Settings
-from nbtrain.core.checkpoint_policy import DEFAULT_COMMIT_TIMEOUT_S, CheckpointPolicyConfig
+from nbtrain.core.checkpoint_policy import (
+    DEFAULT_COMMIT_TIMEOUT_S,
+    CheckpointPolicyConfig,
+    preemption_commit_s,
+)
 from nbtrain.core.faults import Fault
 from nbtrain.core.mesh import MeshPlan
+from nbtrain.core.sched_types import SchedulerConfig
 
 __all__ = ["CheckpointPlan", "RankLaunch"]
 
@@ -33,6 +38,14 @@ class CheckpointPlan:
     keep: int = Settings.checkpoint_keep
     restore_from: tuple[tuple[str, int | None], ...] = ()
     commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S
+    #: How long the final checkpoint of a preemption or resize may take to commit
+    #: (``preemption_commit_s``: inside the grace, so it fails before the ranks are stopped).
+    preempt_commit_s: float = preemption_commit_s(DEFAULT_COMMIT_TIMEOUT_S,
+                                                  SchedulerConfig.preempt_grace_s)
+
+    def final_commit_s(self, outcome: str) -> float:
+        """How long a rank waits for its last checkpoint when the loop ended with ``outcome``."""
+        return self.preempt_commit_s if outcome == "preempted" else self.commit_timeout_s
 
 
 @dataclass(frozen=True)

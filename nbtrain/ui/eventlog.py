@@ -221,6 +221,9 @@ class EventLog:
         return Alert(when, "warn", "preemption",
                      f"preempted at step {ev.get('step', '?')}: {why}{forced}")
 
+    def _on_uncommitted(self, ev: dict[str, Any], when: float | None) -> Alert:
+        return Alert(when, "warn", "checkpoint", str(ev.get("reason") or "checkpoint lost"))
+
     def _on_slow(self, ev: dict[str, Any], when: float | None) -> Alert:
         return Alert(when, "warn", "slow", str(ev.get("note") or "slow steps"))
 
