@@ -107,6 +107,20 @@ class StandaloneCluster:
             self.workers.append(worker)
             return worker.start(self._files)
 
+    def remove_workers(self, name: str) -> None:
+        """SIGKILL the ``dask worker`` named ``name`` (and its worker processes) and stop
+        supervising it: workers that never come back (a fault for tests and benchmarks)."""
+        with self._lock:
+            gone = [w for w in self.workers if w.name == f"worker-{name}"]
+            if not gone:
+                raise KeyError(f"no workers named {name!r}; named: "
+                               f"{', '.join(w.name[len('worker-'):] for w in self.workers)}")
+            self.workers = [w for w in self.workers if w not in gone]
+        for w in gone:
+            if w.proc is not None:
+                _kill_group(w.proc)
+                w.proc.wait(10)
+
     def supervise(self, *, poll_s: float = 0.1) -> None:
         """Start again, from now on, whichever of the cluster's processes exits."""
         if self._supervisor is None:
