@@ -260,7 +260,9 @@ def run_peer(name: str, fn: Callable[[PeerAttempt], T], *, retries: int = 1) -> 
         except Exception as exc:  # the peer's failure, whatever it is: reported, not raised
             errors.append(one_line(exc))
             again = "; trying again with a fresh rendezvous" if number < total else ""
-            print(f"peer {name}: attempt {number}/{total} failed: {errors[-1]}{again}\n{exc}",
+            details = str(exc).strip()
+            print(f"peer {name}: attempt {number}/{total} failed: {errors[-1]}{again}"
+                  + (f"\n{details}" if details and details != errors[-1] else ""),
                   file=sys.stderr, flush=True)
         else:
             return PeerResult(name, value, number, tuple(errors), time.monotonic() - t0)
