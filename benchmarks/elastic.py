@@ -42,6 +42,7 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -143,7 +144,7 @@ def run_torchrun(args: argparse.Namespace, rdzv_conf: str | None,
     endpoint = f"127.0.0.1:{attempt.port_block()}"
     store_port = attempt.port_block(4)  # the peer's store for restarts 0..3
 
-    def agent(name: str) -> psutil.Process:
+    def agent(name: str) -> subprocess.Popen[bytes]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
                "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                endpoint, "--rdzv-id", attempt.rdzv_id, "--max-restarts", "3"]
@@ -151,30 +152,39 @@ def run_torchrun(args: argparse.Namespace, rdzv_conf: str | None,
             cmd += ["--rdzv-conf", rdzv_conf]
         cmd += [str(HERE / "_torchrun_elastic_peer.py"), "--dir", str(out), "--store-port",
                 str(store_port), "--step-sleep", str(args.step_sleep)]
-        proc = attempt.spawn(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"),
+        return attempt.spawn(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"),
                              log=f"agent-{name}.log")
-        return psutil.Process(proc.pid)
 
-    def kill_node(node: psutil.Process) -> None:
+    def kill_node(proc: subprocess.Popen[bytes]) -> None:
         """The agent and its worker (torchrun starts workers in sessions of their own)."""
         try:
+            node = psutil.Process(proc.pid)
             for p in [node, *node.children(recursive=True)]:
                 p.kill()
         except psutil.NoSuchProcess:
             pass
 
-    try:
-        agent("a")
-        time.sleep(1.0)  # "a" hosts the rendezvous store: the victim is "b"
-        victim = agent("b")
-        _wait(lambda: (out / "attempt-0.json").exists(), 300, "torchrun's first step")
-        time.sleep(2.0)
-        killed = time.time()
-        kill_node(victim)
-        _wait(lambda: (out / "attempt-1.json").exists(), 600,
-              "torchrun's first step at the smaller size")
-    except TimeoutError as exc:
-        raise attempt.error(str(exc)) from None
+    def wait_for(path: Path, timeout: float, what: str,
+                 agents: dict[str, subprocess.Popen[bytes]]) -> None:
+        """Until ``path`` appears; an agent that exits first fails the attempt at once (its
+        rendezvous failed: waiting out the timeout would only delay the retry)."""
+        try:
+            _wait(lambda: path.exists() or any(a.poll() is not None for a in agents.values()),
+                  timeout, what)
+        except TimeoutError as exc:
+            raise attempt.error(str(exc)) from None
+        for name, a in agents.items():
+            if not path.exists() and a.poll() is not None:
+                raise attempt.error(f"agent {name} exited {a.returncode} before {what}")
+
+    host = agent("a")
+    time.sleep(1.0)  # "a" hosts the rendezvous store: the victim is "b"
+    victim = agent("b")
+    wait_for(out / "attempt-0.json", 300, "torchrun's first step", {"a": host, "b": victim})
+    time.sleep(2.0)
+    killed = time.time()
+    kill_node(victim)
+    wait_for(out / "attempt-1.json", 600, "torchrun's first step at the smaller size", {"a": host})
     first = json.loads((out / "attempt-0.json").read_text())
     again = json.loads((out / "attempt-1.json").read_text())
     if (first["world"], again["world"]) != (2, 1):
