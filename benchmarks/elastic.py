@@ -27,15 +27,20 @@ user resize has no TorchElastic counterpart (it changes size only when nodes com
 Usage: ``python benchmarks/elastic.py [--quick] [--rounds N]``. The last stdout line is one
 JSON object with duplicates, missing, resizes, resize_s, shrink_on_loss_s, grow_back_s,
 torchrun_resize_s, torchrun_tuned_resize_s, resize_ratio and loss_ratio.
+
+A TorchElastic run that fails (its rendezvous timing out on a loaded machine, say) is tried
+once more with a fresh rendezvous id and ports (``benchmarks/_peers.py``); if it fails again
+its figures and the ratios that need it are null, ``peer_failed`` names why, and the exit
+status stays 0. ``NBTRAIN_BENCH_FAIL_PEER=torchelastic`` fails it on purpose.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from _peers import PeerAttempt, PeerError, peer_figures, ratio, run_peer
 
 import nbtrain
 from nbtrain.accounting import account
@@ -128,92 +134,69 @@ def run_nbtrain(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                     "goodput_fraction": job.goodput().get("fraction")}
 
 
-def _free_ports() -> tuple[int, int]:
-    """(rendezvous port, store port P) with P..P+3 free too (the peer's store for attempts
-    0..3), all distinct."""
-    for _ in range(100):
-        held: list[socket.socket] = []
+def run_torchrun(args: argparse.Namespace, rdzv_conf: str | None,
+                 attempt: PeerAttempt) -> dict[str, float]:
+    """Two agents, one killed with its worker; kill -> the survivor's first step alone.
+
+    Every attempt has its own rendezvous id, ports and directory (``attempt``), so a retry
+    after a failed rendezvous does not meet the failed one's leftovers."""
+    out = attempt.workdir
+    endpoint = f"127.0.0.1:{attempt.port_block()}"
+    store_port = attempt.port_block(4)  # the peer's store for restarts 0..3
+
+    def agent(name: str) -> subprocess.Popen[bytes]:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
+               "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+               endpoint, "--rdzv-id", attempt.rdzv_id, "--max-restarts", "3"]
+        if rdzv_conf:
+            cmd += ["--rdzv-conf", rdzv_conf]
+        cmd += [str(HERE / "_torchrun_elastic_peer.py"), "--dir", str(out), "--store-port",
+                str(store_port), "--step-sleep", str(args.step_sleep)]
+        return attempt.spawn(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                             log=f"agent-{name}.log")
+
+    def kill_node(proc: subprocess.Popen[bytes]) -> None:
+        """The agent and its worker (torchrun starts workers in sessions of their own)."""
         try:
-            rdzv = socket.socket()
-            held.append(rdzv)
-            rdzv.bind(("127.0.0.1", 0))
-            store = socket.socket()
-            held.append(store)
-            store.bind(("127.0.0.1", 0))
-            base = int(store.getsockname()[1])
-            for k in range(1, 4):
-                s = socket.socket()
-                held.append(s)
-                s.bind(("127.0.0.1", base + k))
-            return int(rdzv.getsockname()[1]), base
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError("no free ports for torchrun's rendezvous and the peer's stores")
+            node = psutil.Process(proc.pid)
+            for p in [node, *node.children(recursive=True)]:
+                p.kill()
+        except psutil.NoSuchProcess:
+            pass
 
-
-def run_torchrun(args: argparse.Namespace, rdzv_conf: str | None) -> dict[str, float]:
-    """Two agents, one killed with its worker; kill -> the survivor's first step alone."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp)
-        rdzv_port, store_port = _free_ports()
-        endpoint = f"127.0.0.1:{rdzv_port}"
-        agents: list[subprocess.Popen[bytes]] = []
-
-        def agent(name: str) -> subprocess.Popen[bytes]:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
-                   "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                   endpoint, "--rdzv-id", "elastic-bench", "--max-restarts", "3"]
-            if rdzv_conf:
-                cmd += ["--rdzv-conf", rdzv_conf]
-            cmd += [str(HERE / "_torchrun_elastic_peer.py"), "--dir", tmp, "--store-port",
-                    str(store_port), "--step-sleep", str(args.step_sleep)]
-            log = open(out / f"agent-{name}.log", "wb")  # noqa: SIM115 (the agent writes it)
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True,
-                                    env=dict(os.environ, OMP_NUM_THREADS="1"))
-            agents.append(proc)
-            return proc
-
-        def kill_node(proc: subprocess.Popen[bytes]) -> None:
-            """The agent and its worker (torchrun starts workers in sessions of their own)."""
-            try:
-                node = psutil.Process(proc.pid)
-                for p in [node, *node.children(recursive=True)]:
-                    p.kill()
-            except psutil.NoSuchProcess:
-                pass
-
-        def logs() -> str:
-            return "\n".join(f"--- agent {n} ---\n" + (out / f"agent-{n}.log").read_text(
-                errors="replace")[-3000:] for n in ("a", "b") if (out / f"agent-{n}.log").exists())
-
+    def wait_for(path: Path, timeout: float, what: str,
+                 agents: dict[str, subprocess.Popen[bytes]]) -> None:
+        """Until ``path`` appears; an agent that exits first fails the attempt at once (its
+        rendezvous failed: waiting out the timeout would only delay the retry)."""
         try:
-            agent("a")
-            time.sleep(1.0)  # "a" hosts the rendezvous store: the victim is "b"
-            victim = agent("b")
-            _wait(lambda: (out / "attempt-0.json").exists(), 300, "torchrun's first step")
-            time.sleep(2.0)
-            killed = time.time()
-            kill_node(victim)
-            _wait(lambda: (out / "attempt-1.json").exists(), 600,
-                  "torchrun's first step at the smaller size")
-            first = json.loads((out / "attempt-0.json").read_text())
-            again = json.loads((out / "attempt-1.json").read_text())
-            if (first["world"], again["world"]) != (2, 1):
-                raise RuntimeError(f"torchrun ran at world sizes {first['world']} then "
-                                   f"{again['world']}, not 2 then 1")
-            return {"resize_s": again["first_step"] - killed,
-                    "until_worker_start_s": again["start"] - killed,
-                    "worker_start_to_step_s": again["first_step"] - again["start"]}
+            _wait(lambda: path.exists() or any(a.poll() is not None for a in agents.values()),
+                  timeout, what)
         except TimeoutError as exc:
-            raise RuntimeError(f"{exc}; the agents said:\n{logs()}") from None
-        finally:
-            for proc in agents:
-                kill_node(proc)
-                proc.wait(30)
+            raise attempt.error(str(exc)) from None
+        for name, a in agents.items():
+            if not path.exists() and a.poll() is not None:
+                raise attempt.error(f"agent {name} exited {a.returncode} before {what}")
+
+    host = agent("a")
+    time.sleep(1.0)  # "a" hosts the rendezvous store: the victim is "b"
+    victim = agent("b")
+    wait_for(out / "attempt-0.json", 300, "torchrun's first step", {"a": host, "b": victim})
+    time.sleep(2.0)
+    killed = time.time()
+    kill_node(victim)
+    wait_for(out / "attempt-1.json", 600, "torchrun's first step at the smaller size", {"a": host})
+    first = json.loads((out / "attempt-0.json").read_text())
+    again = json.loads((out / "attempt-1.json").read_text())
+    if (first["world"], again["world"]) != (2, 1):
+        raise PeerError(f"torchrun ran at world sizes {first['world']} then "
+                        f"{again['world']}, not 2 then 1", attempt.logs())
+    return {"resize_s": again["first_step"] - killed,
+            "until_worker_start_s": again["start"] - killed,
+            "worker_start_to_step_s": again["first_step"] - again["start"]}
+
+
+def _s(seconds: float | None) -> str:
+    return "failed" if seconds is None else f"{seconds:.2f} s"
 
 
 def main() -> None:
@@ -235,11 +218,18 @@ def main() -> None:
           f"lost worker {ours['shrink_on_loss_s']:.2f} s, grow back {ours['grow_back_s']:.2f} s; "
           f"{ours['steps']} steps over {ours['epochs']} epochs at sizes {ours['sizes']}: "
           f"{ours['duplicates']} duplicates, {ours['missing']} missing", flush=True)
-    peer = run_torchrun(args, None)
-    tuned = run_torchrun(args, "last_call_timeout=1")
-    print(f"torchrun: kill -> first step at 1 rank {peer['resize_s']:.2f} s (defaults), "
-          f"{tuned['resize_s']:.2f} s (last_call_timeout=1)", flush=True)
+    variants = (("torchelastic", None), ("torchelastic_tuned", "last_call_timeout=1"))
+    peers = [run_peer(name, functools.partial(run_torchrun, args, conf))
+             for name, conf in variants]
+    peer, tuned = (p.value for p in peers)
+    peer_s = None if peer is None else peer["resize_s"]
+    tuned_s = None if tuned is None else tuned["resize_s"]
+    print("torchrun: kill -> first step at 1 rank "
+          + ", ".join(f"{_s(v)} ({what})" for v, what in ((peer_s, "defaults"),
+                                                         (tuned_s, "last_call_timeout=1"))),
+          flush=True)
     resize = statistics.median(ours["resize_s"])
+    resize_ratio = ratio(resize, peer_s)
     figures = {
         "duplicates": ours["duplicates"], "missing": ours["missing"],
         "resizes": ours["resizes"],
@@ -247,17 +237,20 @@ def main() -> None:
         "resize_s_all": [round(s, 4) for s in ours["resize_s"]],
         "shrink_on_loss_s": round(ours["shrink_on_loss_s"], 4),
         "grow_back_s": round(ours["grow_back_s"], 4),
-        "torchrun_resize_s": round(peer["resize_s"], 4),
-        "torchrun_breakdown": {k: round(v, 4) for k, v in peer.items()},
-        "torchrun_tuned_resize_s": round(tuned["resize_s"], 4),
-        "resize_ratio": round(resize / peer["resize_s"], 4),
-        "loss_ratio": round(ours["shrink_on_loss_s"] / peer["resize_s"], 4),
-        "tuned_loss_ratio": round(ours["shrink_on_loss_s"] / tuned["resize_s"], 4),
+        "torchrun_resize_s": None if peer_s is None else round(peer_s, 4),
+        "torchrun_breakdown": None if peer is None else {k: round(v, 4)
+                                                         for k, v in peer.items()},
+        "torchrun_tuned_resize_s": None if tuned_s is None else round(tuned_s, 4),
+        "resize_ratio": resize_ratio,
+        "loss_ratio": ratio(ours["shrink_on_loss_s"], peer_s),
+        "tuned_loss_ratio": ratio(ours["shrink_on_loss_s"], tuned_s),
         "steps": ours["steps"], "epochs": ours["epochs"], "sizes": ours["sizes"],
         "restarts": ours["restarts"], "goodput_fraction": ours["goodput_fraction"],
         "targets_met": {"duplicates==0": ours["duplicates"] == 0,
                         "missing==0": ours["missing"] == 0,
-                        "resize_ratio<=0.3": resize / peer["resize_s"] <= 0.3},
+                        "resize_ratio<=0.3": (None if resize_ratio is None
+                                              else resize_ratio <= 0.3)},
+        **peer_figures(peers),
         "wall_s": round(time.monotonic() - t0, 1),
     }
     print(json.dumps(figures))

@@ -8,19 +8,26 @@ Usage: ``python benchmarks/overhead.py [--quick] [--rounds N] [--steps N] [--pee
 The torchrun peer runs in the environment this process had before ``connect()``, as a
 user's ``torchrun`` would, not with the variables Dask's nanny adds.
 Last stdout line: JSON with nbtrain_steps_per_s, function_steps_per_s, torchrun_steps_per_s,
-ratio (Recipe over torchrun) and function_ratio (function over torchrun).
+ratio (Recipe over torchrun) and function_ratio (function over torchrun). A torchrun run that
+fails is tried once more (``benchmarks/_peers.py``); a round whose peer fails twice has no
+torchrun rate (``peer_failed`` says why, the figures that need it are over the other rounds
+or null) and the exit status stays 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from _peers import PeerAttempt, PeerResult, peer_figures, ratio, run_peer
 
 import nbtrain
 from nbtrain.examples import DigitsMLP, digits_train
@@ -61,54 +68,73 @@ def run_function(cluster: nbtrain.Cluster, steps: int, hidden: int, layers: int,
 PLAIN_ENV = dict(os.environ)
 
 
-def run_torchrun(steps: int, hidden: int, layers: int, batch: int,
-                 env: dict[str, str] | None = None) -> float:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "times.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--standalone", str(HERE / "_torchrun_peer.py"), "--steps", str(steps),
-               "--out", str(out), "--hidden", str(hidden), "--layers", str(layers),
-               "--batch", str(batch)]
-        env = dict(PLAIN_ENV if env is None else env, OMP_NUM_THREADS="1")
-        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.PIPE, timeout=600)
-        return steady_rate(json.loads(out.read_text()))
+def run_torchrun(steps: int, hidden: int, layers: int, batch: int, env: dict[str, str] | None,
+                 attempt: PeerAttempt) -> float:
+    """One attempt of the torchrun peer (see ``run_peer``): its steady rate."""
+    out = attempt.workdir / "times.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--standalone", str(HERE / "_torchrun_peer.py"), "--steps", str(steps),
+           "--out", str(out), "--hidden", str(hidden), "--layers", str(layers),
+           "--batch", str(batch)]
+    attempt.run(cmd, env=dict(PLAIN_ENV if env is None else env, OMP_NUM_THREADS="1"),
+                timeout=600, what="torchrun peer")
+    return steady_rate(json.loads(out.read_text()))
 
 
 def compare(cluster: nbtrain.Cluster, rounds: int, steps: int, hidden: int = 512,
             layers: int = 3, batch: int = 256, log: bool = True,
-            peer_env: dict[str, str] | None = None) -> dict[str, object]:
+            peer_env: dict[str, str] | None = None) -> dict[str, Any]:
     """Rounds of nbtrain (Recipe and function) on ``cluster`` and torchrun, in rotating
     order so drift in machine load hits all alike; medians and ratios. ``peer_env``: the
-    torchrun peer's environment (default: this process's before ``connect()``)."""
+    torchrun peer's environment (default: this process's before ``connect()``).
+
+    A round whose torchrun run fails twice (``benchmarks/_peers.py``) has no torchrun rate:
+    the torchrun median and the ratios are over the other rounds, null when none is left;
+    ``peer_attempts``/``peer_failed`` say what happened."""
     shape = (hidden, layers, batch)
-    runners = {"nbtrain": lambda: run_nbtrain(cluster, steps, *shape),
-               "function": lambda: run_function(cluster, steps, *shape),
-               "torchrun": lambda: run_torchrun(steps, *shape, env=peer_env)}
-    rates: dict[str, list[float]] = {k: [] for k in runners}
+    ours: dict[str, list[float]] = {"nbtrain": [], "function": []}
+    peer: list[float | None] = []  # None: that round's peer failed twice
+    peer_runs: list[PeerResult[float]] = []
+
+    def torchrun() -> None:
+        peer_runs.append(run_peer("torchrun", functools.partial(
+            run_torchrun, steps, *shape, peer_env)))
+        peer.append(peer_runs[-1].value)
+
+    runners: dict[str, Callable[[], None]] = {
+        "nbtrain": lambda: ours["nbtrain"].append(run_nbtrain(cluster, steps, *shape)),
+        "function": lambda: ours["function"].append(run_function(cluster, steps, *shape)),
+        "torchrun": torchrun}
     run_nbtrain(cluster, 30, *shape)  # warm the workers' imports once
     names = list(runners)
     for i in range(rounds):
         for which in names[i % 3:] + names[: i % 3]:
-            rates[which].append(runners[which]())
+            runners[which]()
         if log:
-            peer = rates["torchrun"][-1]
-            print(f"round {i + 1}/{rounds}: nbtrain {rates['nbtrain'][-1]:7.1f}  function "
-                  f"{rates['function'][-1]:7.1f}  torchrun {peer:7.1f} steps/s   ratios "
-                  f"{rates['nbtrain'][-1] / peer:.3f} {rates['function'][-1] / peer:.3f}",
-                  flush=True)
-    med = {k: statistics.median(v) for k, v in rates.items()}
-    per_round = [x / y for x, y in zip(rates["nbtrain"], rates["torchrun"], strict=True)]
-    per_round_fn = [x / y for x, y in zip(rates["function"], rates["torchrun"], strict=True)]
+            x, y, z = ours["nbtrain"][-1], ours["function"][-1], peer[-1]
+            print(f"round {i + 1}/{rounds}: nbtrain {x:7.1f}  function {y:7.1f}  torchrun "
+                  + (f"{z:7.1f} steps/s   ratios {x / z:.3f} {y / z:.3f}" if z is not None
+                     else " failed"), flush=True)
+    med = {k: statistics.median(v) for k, v in ours.items()}
+    got = [z for z in peer if z is not None]
+    med_peer = statistics.median(got) if got else None
+    pairs = [(x, y, z) for x, y, z in zip(ours["nbtrain"], ours["function"], peer, strict=True)
+             if z is not None]
+    per_round = [x / z for x, _, z in pairs]
+    per_round_fn = [y / z for _, y, z in pairs]
     return {"nbtrain_steps_per_s": round(med["nbtrain"], 2),
             "function_steps_per_s": round(med["function"], 2),
-            "torchrun_steps_per_s": round(med["torchrun"], 2),
-            "ratio": round(med["nbtrain"] / med["torchrun"], 4),
-            "function_ratio": round(med["function"] / med["torchrun"], 4),
-            "ratio_per_round_median": round(statistics.median(per_round), 4),
-            "function_ratio_per_round_median": round(statistics.median(per_round_fn), 4),
+            "torchrun_steps_per_s": None if med_peer is None else round(med_peer, 2),
+            "ratio": ratio(med["nbtrain"], med_peer),
+            "function_ratio": ratio(med["function"], med_peer),
+            "ratio_per_round_median": (round(statistics.median(per_round), 4) if per_round
+                                       else None),
+            "function_ratio_per_round_median": (round(statistics.median(per_round_fn), 4)
+                                                if per_round_fn else None),
             "ratios": [round(r, 4) for r in per_round],
-            "function_ratios": [round(r, 4) for r in per_round_fn]}
+            "function_ratios": [round(r, 4) for r in per_round_fn],
+            "torchrun_rounds": len(got),
+            **peer_figures(peer_runs)}
 
 
 def main() -> None:
@@ -137,10 +163,11 @@ def main() -> None:
     print(f"\n{'':12}{'median steps/s':>16}")
     for label, key in (("nbtrain", "nbtrain_steps_per_s"), ("function", "function_steps_per_s"),
                        ("torchrun", "torchrun_steps_per_s")):
-        print(f"{label:12}{figures[key]:16.1f}")
-    print(f"ratio (median of medians) {figures['ratio']:.3f}, function "
-          f"{figures['function_ratio']:.3f}; per-round ratios "
-          f"{', '.join(f'{r:.3f}' for r in ratios)}")  # type: ignore[attr-defined]
+        value = figures[key]
+        print(f"{label:12}" + (f"{value:16.1f}" if value is not None else f"{'failed':>16}"))
+    print(f"ratio (median of medians) {figures['ratio']}, function "
+          f"{figures['function_ratio']}; per-round ratios "
+          f"{', '.join(f'{r:.3f}' for r in ratios)}")
     print(json.dumps({
         **figures, "rounds": rounds, "steps_per_round": steps, "world_size": 2,
         "peer_env": args.peer_env,
