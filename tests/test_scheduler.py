@@ -226,6 +226,23 @@ def test_resize_requests() -> None:
     s.check_invariants()
 
 
+def test_a_queued_job_resized_beyond_the_cluster_is_refused() -> None:
+    """Found by tests/test_scheduler_property.py (seeds 201, 949): a queued job resized to
+    more than the cluster can ever hold was kept, and waited for ever. Refused as at submit,
+    it keeps its size; a cluster that may still grow keeps the new size."""
+    s = Scheduler(Topology.declare(1, 2))
+    s.handle(Submit(0.0, _job("run", 2)))
+    s.handle(Submit(0.0, _job("q", 2)))
+    out = s.handle(ResizeRequested(1.0, "q", 3))
+    assert isinstance(out[0], RejectJob) and "ask for at most 2" in out[0].reason, out
+    assert s.job("q").request.size == 2 and s.queued() == ["q"]
+    assert _kinds(s.handle(Finished(2.0, "run"))) == [("StartJob", "q")]
+    g = Scheduler(Topology.declare(1, 2), SchedulerConfig(can_grow=True))
+    g.handle(Submit(0.0, _job("run", 2)))
+    g.handle(Submit(0.0, _job("q", 2)))
+    assert g.handle(ResizeRequested(1.0, "q", 3)) == [] and g.job("q").request.size == 3
+
+
 def test_failed_job_requeues_on_request() -> None:
     s = Scheduler(Topology.declare(1, 4))
     s.handle(Submit(0.0, _job("a", 4)))

@@ -3,6 +3,8 @@ driven by hand against the pure gang scheduler."""
 
 from __future__ import annotations
 
+import pytest
+
 from nbtrain.core.sched_types import (
     Decision,
     Finished,
@@ -128,3 +130,25 @@ def test_a_preemption_plan_without_victims_does_not_crash_the_pass() -> None:
         s.handle(ev)  # raised ValueError before the fix
         s.check_invariants()
     assert set(s.queued()) >= {"j17"}
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 24: open. A victim of a later preemptor restarts on the slots that preemptor waits "
+    "for; preventing it moves most pinned schedule hashes (tests/test_sched_hashes.py), so "
+    "it waits for a decision on the policy"))
+def test_the_victims_of_a_later_preemptor_do_not_take_turns() -> None:
+    """Found by tests/test_scheduler_property.py (seed 173, when its drain releases stopping
+    jobs before running ones end): behind a head that cannot start, a later job preempts two
+    jobs for itself; the first victim to release starts again on its own slots, so when the
+    second releases the preemptor is still short and preempts the first again, and so on for
+    as long as nothing else ends."""
+    s = Scheduler(Topology.declare(1, 4), SchedulerConfig(can_grow=True))
+    s.handle(Submit(0, _job("a", 2, priority=1)))
+    s.handle(Submit(1, _job("head", 8, priority=2)))  # more than the cluster: waits for workers
+    s.handle(Submit(2, _job("b", 2, priority=1)))
+    ds = s.handle(Submit(3, _job("urgent", 4, priority=2)))
+    assert sorted(_preempted(ds)) == ["a", "b"]
+    ds = s.handle(Released(4, "a"))
+    assert "a" not in _started(ds), "the victim took back the slots its preemptor waits for"
+    ds = s.handle(Released(5, "b"))
+    assert "urgent" in _started(ds)

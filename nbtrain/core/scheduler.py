@@ -174,6 +174,16 @@ class Scheduler(JobBook):
                                             f"multiple of tp*cp*pp={r}"))
             return
         new_min = None if j.req.min_size is None else min(j.req.min_size, ev.size)
+        if j.state != "running":
+            # Nothing to place now, so nothing else refuses it: a size the cluster can never
+            # hold would leave the job queued for ever (refused at submit, as it would be).
+            try:
+                check_feasible(self.topo, ev.size if new_min is None else new_min,
+                               j.req.layout, check_size=not self.config.can_grow)
+            except ValueError as err:
+                out.append(RejectJob(ev.job_id, f"cannot resize {ev.job_id!r} to {ev.size} "
+                                                f"ranks: {err}; it keeps {j.req.size}"))
+                return
         old_req = j.req
         self._set_request(j, dataclasses.replace(j.req, size=ev.size, min_size=new_min))
         if j.state != "running" or j.size == ev.size:
