@@ -44,7 +44,7 @@ from typing import Any
 from nbtrain.core.checkpoint_policy import DEFAULT_COMMIT_TIMEOUT_S
 from nbtrain.runtime.dcp_write import DcpShard, plan_shard
 from nbtrain.runtime.snapshot import HostSnapshotter
-from nbtrain.runtime.storage import CheckpointError, CheckpointStore
+from nbtrain.runtime.storage import CheckpointError, CheckpointStore, PersistTimes
 
 __all__ = ["AsyncCheckpointer", "EventCallback", "SaveResult"]
 
@@ -66,6 +66,8 @@ class SaveResult:
     error: str | None = None
     phase: str | None = None  # where it failed: persist / commit
     pruned: list[int] = field(default_factory=list)
+    #: where the persist and commit time went (checksum, write, fsync, commit wait)
+    times: PersistTimes = field(default_factory=PersistTimes)
 
     @property
     def stall_s(self) -> float:
@@ -302,7 +304,8 @@ class AsyncCheckpointer:
             return
         try:
             info = self.store.write_shard(
-                step, self.rank, self.world_size, payload, attempt=self.attempt, dcp=shard
+                step, self.rank, self.world_size, payload, attempt=self.attempt, dcp=shard,
+                times=result.times,
             )
         except Exception as e:
             self._fail(result, "persist", e)
@@ -335,6 +338,7 @@ class AsyncCheckpointer:
                 metadata=manifest_metadata,
                 timeout_s=self.commit_timeout_s,
                 cancelled=self._cancel.is_set,
+                times=result.times,
             )
         except Exception as e:
             self._fail(result, "commit", e)

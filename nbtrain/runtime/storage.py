@@ -65,6 +65,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointStore",
     "Manifest",
+    "PersistTimes",
     "RestoreResult",
     "ShardInfo",
     "split_checkpoint_url",
@@ -90,6 +91,23 @@ class CheckpointError(RuntimeError):
         super().__init__(f"{path}: {problem}")
         self.path = path
         self.problem = problem
+
+
+@dataclass
+class PersistTimes:
+    """Where a checkpoint's persist time went, in seconds, summed over its files: hashing the
+    bytes, handing them to the file (the page cache, or the store's client), fsync (local
+    files), and the committer's wait for the other ranks' receipts. What is left of the
+    persist's wall time is serialization and waiting for a CPU."""
+
+    checksum_s: float = 0.0
+    write_s: float = 0.0
+    fsync_s: float = 0.0
+    commit_wait_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"checksum_s": self.checksum_s, "write_s": self.write_s,
+                "fsync_s": self.fsync_s, "commit_wait_s": self.commit_wait_s}
 
 
 @dataclass(frozen=True)
@@ -159,14 +177,20 @@ def split_checkpoint_url(url: str) -> tuple[str, int | None]:
 class _HashingWriter:
     """File-like that hashes and counts what torch.save writes: one pass over the bytes."""
 
-    def __init__(self, raw: BinaryIO) -> None:
+    def __init__(self, raw: BinaryIO, times: PersistTimes | None = None) -> None:
         self.raw = raw
         self.sha = hashlib.sha256()
         self.count = 0
+        self.times = times if times is not None else PersistTimes()
 
     def write(self, data: Any) -> int:
+        t0 = time.perf_counter()
         self.sha.update(data)
+        t1 = time.perf_counter()
         n = self.raw.write(data)
+        t2 = time.perf_counter()
+        self.times.checksum_s += t1 - t0
+        self.times.write_s += t2 - t1
         self.count += memoryview(data).nbytes
         return n if n is not None else memoryview(data).nbytes
 
@@ -227,7 +251,8 @@ class CheckpointStore:
         return sorted(set(steps), reverse=True)
 
     # -- atomic writes ------------------------------------------------------------------------
-    def _write_atomic(self, path: str, write: Callable[[BinaryIO], None]) -> None:
+    def _write_atomic(self, path: str, write: Callable[[BinaryIO], None],
+                      times: PersistTimes | None = None) -> None:
         """Write ``path`` so that readers see either nothing or the whole durable file."""
         if not self._rename:
             with self.fs.open(path, "wb") as f:
@@ -239,9 +264,14 @@ class CheckpointStore:
                 with open(tmp, "wb") as f:
                     write(f)
                     f.flush()
+                    t0 = time.perf_counter()
                     os.fsync(f.fileno())
+                    t1 = time.perf_counter()
                 os.replace(tmp, path)
+                t2 = time.perf_counter()
                 _fsync_dir(posixpath.dirname(path))
+                if times is not None:
+                    times.fsync_s += (t1 - t0) + (time.perf_counter() - t2)
             else:
                 with self.fs.open(tmp, "wb") as f:
                     write(f)
@@ -254,18 +284,18 @@ class CheckpointStore:
                     self.fs.rm(tmp)
             raise
 
-    def _write_json(self, path: str, obj: Any) -> None:
+    def _write_json(self, path: str, obj: Any, times: PersistTimes | None = None) -> None:
         data = json.dumps(obj, indent=1, sort_keys=True).encode()
 
         def write(f: BinaryIO) -> None:
             f.write(data)
 
-        self._write_atomic(path, write)
+        self._write_atomic(path, write, times)
 
     # -- phase one ----------------------------------------------------------------------------
     def write_shard(
         self, step: int, rank: int, world_size: int, payload: Any, *, attempt: str = "",
-        dcp: DcpShard | None = None,
+        dcp: DcpShard | None = None, times: PersistTimes | None = None,
     ) -> ShardInfo:
         """Persist this rank's files and its receipt. Blocking; call it off the training loop.
 
@@ -292,12 +322,12 @@ class CheckpointStore:
             entries: list[dict[str, Any]] = []
 
             def write_data(f: BinaryIO) -> None:
-                hw = _HashingWriter(f)
+                hw = _HashingWriter(f, times)
                 entries.extend(write_items(hw, dcp, dname))
                 files.append(ShardInfo(rank=rank, file=dname, bytes=hw.count,
                                        sha256=hw.sha.hexdigest()))
 
-            self._write_atomic(f"{sdir}/{dname}", write_data)
+            self._write_atomic(f"{sdir}/{dname}", write_data, times)
             part = {"entries": entries, "held": dcp.held, "paths": dcp.paths}
         name = shard_name(rank, world_size)
         obj = {
@@ -311,11 +341,11 @@ class CheckpointStore:
         box: list[_HashingWriter] = []
 
         def write(f: BinaryIO) -> None:
-            hw = _HashingWriter(f)
+            hw = _HashingWriter(f, times)
             torch.save(obj, hw)  # type: ignore[arg-type]
             box.append(hw)
 
-        self._write_atomic(f"{sdir}/{name}", write)
+        self._write_atomic(f"{sdir}/{name}", write, times)
         info = ShardInfo(rank=rank, file=name, bytes=box[0].count, sha256=box[0].sha.hexdigest())
         receipt: dict[str, Any] = {
             "format": FORMAT_NAME,
@@ -332,7 +362,7 @@ class CheckpointStore:
             receipt["files"] = [{"file": f.file, "bytes": f.bytes, "sha256": f.sha256}
                                 for f in files]
             receipt["dcp"] = part
-        self._write_json(f"{sdir}/{name[:-3]}.json", receipt)
+        self._write_json(f"{sdir}/{name[:-3]}.json", receipt, times)
         return info
 
     def write_failure(
@@ -376,13 +406,16 @@ class CheckpointStore:
         timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S,
         poll_s: float = 0.02,
         cancelled: Callable[[], bool] | None = None,
+        times: PersistTimes | None = None,
     ) -> Manifest:
         """Wait until every rank's receipt of ``attempt`` is there, then (format 2) write
-        DCP's metadata and the index, then the manifest."""
+        DCP's metadata and the index, then the manifest. ``times.commit_wait_s`` gets the
+        wait."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         sdir = self.step_dir(step)
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = started + timeout_s
         receipts: dict[int, Receipt] = {}
         while True:
             for rank in range(world_size):
@@ -410,6 +443,8 @@ class CheckpointStore:
             if cancelled is not None and cancelled():
                 raise CheckpointError(sdir, f"commit cancelled while waiting for ranks {missing}")
             time.sleep(poll_s)
+        if times is not None:
+            times.commit_wait_s += time.monotonic() - started
         for rec in receipts.values():
             for info in (rec.shard, *rec.files):
                 size = self.fs.size(f"{sdir}/{info.file}")
@@ -427,7 +462,7 @@ class CheckpointStore:
                                         "not committing")
         files: list[ShardInfo] = [f for r in sorted(receipts) for f in receipts[r].files]
         if sharded:
-            files += self._write_dcp_metadata(step, receipts, attempt)
+            files += self._write_dcp_metadata(step, receipts, attempt, times)
         body: dict[str, Any] = {
             "step": step,
             "world_size": world_size,
@@ -453,11 +488,11 @@ class CheckpointStore:
                 f"job spec and metadata must be JSON-serializable for the manifest: {e}"
             ) from e
         doc = {"format": FORMAT_NAME, "version": version, "body": body, "sha256": digest}
-        self._write_json(f"{sdir}/{MANIFEST}", doc)
+        self._write_json(f"{sdir}/{MANIFEST}", doc, times)
         return self._manifest_from(body, f"{sdir}/{MANIFEST}", version)
 
     def _write_dcp_metadata(self, step: int, receipts: Mapping[int, Receipt],
-                            attempt: str) -> list[ShardInfo]:
+                            attempt: str, times: PersistTimes | None = None) -> list[ShardInfo]:
         """The index (JSON) and DCP's ``.metadata`` (pickle) from the ranks' receipts."""
         sdir = self.step_dir(step)
 
@@ -472,7 +507,7 @@ class CheckpointStore:
             def write(f: BinaryIO, data: bytes = data) -> None:
                 f.write(data)
 
-            self._write_atomic(f"{sdir}/{name}", write)
+            self._write_atomic(f"{sdir}/{name}", write, times)
             out.append(ShardInfo(rank=-1, file=name, bytes=len(data),
                                  sha256=hashlib.sha256(data).hexdigest()))
         return out
