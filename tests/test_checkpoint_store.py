@@ -768,3 +768,76 @@ def test_cleanup_at_a_generation_start_removes_every_uncommitted_save(
     _forge_manifest(local, 4, version=99)
     assert local.cleanup_incomplete(start_of="g3") == [f"{local.root}/.probe-g2-r1"]
     assert os.path.exists(local.step_dir(4))
+
+
+# -- local data files written with O_DIRECT ---------------------------------------------------
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 8 << 20, (8 << 20) + 12345, (17 << 20) + 7])
+def test_a_direct_file_holds_exactly_what_was_written(tmp_path: Path, size: int) -> None:
+    from nbtrain.runtime.direct_io import DirectFile
+
+    data = random.Random(size).randbytes(size)
+    path = tmp_path / "f"
+    rng = random.Random(-size)
+    with DirectFile(str(path)) as f:
+        pos = 0
+        while pos < size:  # pieces of any size, as torch.save writes them
+            n = rng.randint(1, 3 << 20)
+            f.write(memoryview(data)[pos:pos + n])
+            pos += n
+        f.seal()
+        os.fsync(f.fileno())
+    assert path.read_bytes() == data
+
+
+def test_a_direct_file_falls_back_where_o_direct_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from nbtrain.runtime.direct_io import DirectFile
+
+    if not getattr(os, "O_DIRECT", 0):
+        pytest.skip("no O_DIRECT on this platform")
+    data = random.Random(1).randbytes((9 << 20) + 5)
+    real_open, real_write = os.open, os.write
+    direct_fds: set[int] = set()
+
+    def open_at_first(path: str, flags: int, *a: Any) -> int:  # a FUSE-like mount
+        fd = real_open(path, flags, *a)
+        (direct_fds.add if flags & os.O_DIRECT else direct_fds.discard)(fd)
+        return fd
+
+    def refuse_direct_writes(fd: int, b: Any) -> int:
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, b)
+
+    def refuse_at_open(path: str, flags: int, *a: Any) -> int:  # tmpfs-like
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    for name, opener in (("refused-at-write", open_at_first), ("refused-at-open",
+                                                               refuse_at_open)):
+        monkeypatch.setattr(os, "open", opener)
+        monkeypatch.setattr(os, "write", refuse_direct_writes)
+        path = tmp_path / name
+        with DirectFile(str(path)) as f:
+            f.write(data[:100])
+            f.write(data[100:])
+            f.seal()
+            assert not f.direct
+        monkeypatch.setattr(os, "open", real_open)
+        monkeypatch.setattr(os, "write", real_write)
+        assert path.read_bytes() == data, name
+
+
+def test_direct_and_buffered_writes_make_the_same_checkpoint(tmp_path: Path) -> None:
+    big = {"w": torch.arange(3 << 20, dtype=torch.float32), "step": 1}  # 12 MB
+    stores = [CheckpointStore(str(tmp_path / n), direct_io=d) for n, d in (("d", True),
+                                                                           ("b", False))]
+    for s in stores:
+        s.write_shard(1, 0, 1, big, attempt="a")
+        s.commit(1, 1, attempt="a")
+    files = [local_file(s, 1, "rank-00000-of-00001.pt").read_bytes() for s in stores]
+    assert files[0] == files[1]
+    assert torch.equal(stores[0].load_shard(1, 0)["w"], big["w"])
