@@ -13,12 +13,15 @@ Two ranks (torch.multiprocessing, gloo), each holding a model + Adam state of ab
                    snapshot into reused buffers; waiting for a previous persist is reported
                    apart as ``wait_s`` and is zero when checkpoints are further apart than a
                    persist)
-      persist_s    from nbtrain's ``save`` call until the checkpoint is durable and, on the
-                   committing rank, committed, while both ranks keep training: format 1
-                   (each rank writes its full copy, the bytes ``sync_s`` writes), so
-                   ``persist_vs_sync`` is persist while training / ``sync_s``.
-                   ``persist_breakdown_s`` says where the time went (checksum, write,
-                   fsync, commit wait; "other" is serialization and waiting for a CPU)
+      persist_s    from nbtrain's ``save`` call (both ranks at once, after a barrier) until
+                   the checkpoint is durable and, on the committing rank, committed, while
+                   both ranks keep training: format 1 (each rank writes its full copy, the
+                   bytes ``sync_s`` writes), so ``persist_vs_sync`` is persist while
+                   training / ``sync_s``, both with the writer's fsync.
+                   ``persist_breakdown_s`` says where the slowest rank's time went
+                   (checksum, write, fsync, commit wait; "other" is serialization and
+                   waiting for a CPU). The writer runs at ``writer_nice`` (10): on a busy
+                   machine it gets the CPU training leaves
   (c) dcp_async_blocking_s  ``torch.distributed.checkpoint.async_save`` (default stager,
                    thread executor) until it returns, steady state
       dcp_persist_s  from the same ``async_save`` call until its upload future completes
@@ -55,13 +58,21 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
+
+# The checkout this script lives in, not an installed nbtrain (the spawned ranks run this too).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-from nbtrain.runtime.async_ckpt import DEFAULT_WRITER_NICE, AsyncCheckpointer, SaveResult
+from nbtrain.runtime.async_ckpt import (
+    DEFAULT_WRITER_NICE,
+    AsyncCheckpointer,
+    SaveResult,
+)
 from nbtrain.runtime.dcp_state import to_dcp_state
 from nbtrain.runtime.storage import CheckpointStore
 
@@ -181,6 +192,7 @@ def rank_main(rank: int, args: argparse.Namespace, root: str, port: int) -> None
     for _i in range(reps + 1):
         base += tr.steps(args.base_steps)
         step += args.base_steps
+        dist.barrier()  # both ranks save at once: the commit waits for a persist, not a step
         copies.append(memcpy())
         r = ck.save(step, {"model": tr.model, "optimizer": tr.opt}, {"step": step})
         blocking.append(r.blocking_s)
@@ -213,6 +225,7 @@ def rank_main(rank: int, args: argparse.Namespace, root: str, port: int) -> None
     for _i in range(reps + 1):
         tr.steps(2)
         step += 2
+        dist.barrier()
         r = ck.save(step, to_dcp_state(tracked), {"step": step})
         tr.steps_until(lambda: not ck.in_flight)
         done = ck.wait()

@@ -521,11 +521,12 @@ class CheckpointStore:
             times.commit_wait_s += time.monotonic() - started
         for rec in receipts.values():
             for info in (rec.shard, *rec.files):
-                entry = listing.get(info.file)
-                try:
-                    size = int(entry["size"]) if entry else self.fs.size(f"{sdir}/{info.file}")
-                except FileNotFoundError:
-                    size = None
+                size = _listed_size(listing.get(info.file) or {})
+                if size is None:  # not listed, or listed without its size
+                    try:
+                        size = int(self.fs.size(f"{sdir}/{info.file}"))
+                    except FileNotFoundError:
+                        size = None
                 if size != info.bytes:
                     raise CheckpointError(
                         f"{sdir}/{info.file}",
@@ -871,7 +872,7 @@ class CheckpointStore:
             if rec is not None:
                 doomed.append(f"{base}.json")
                 doomed += [i.file for i in (*rec.files, rec.shard) if i.file in listing and (
-                    not ended or int(listing[i.file].get("size", -1)) == i.bytes)]
+                    not ended or _listed_size(listing[i.file]) == i.bytes)]
             elif rank is not None and not ended:  # its write failed before its receipt
                 own = (data_file(r), shard_name(r, world_size))
                 doomed += [n for n in listing if n in own or n.startswith(
@@ -975,6 +976,11 @@ def _owner_rank(name: str) -> int | None:
     """The rank whose receipt or failure marker ``name`` is (None for other files)."""
     m = _RANK_FILE.match(name)
     return int(m.group(1)) if m is not None and name.endswith(".json") else None
+
+
+def _listed_size(entry: Mapping[str, Any]) -> int | None:
+    size = entry.get("size")
+    return int(size) if isinstance(size, (int, float)) else None
 
 
 def _version(entry: Mapping[str, Any]) -> tuple[Any, ...]:
