@@ -13,8 +13,24 @@ Two ranks (torch.multiprocessing, gloo), each holding a model + Adam state of ab
                    snapshot into reused buffers; waiting for a previous persist is reported
                    apart as ``wait_s`` and is zero when checkpoints are further apart than a
                    persist)
+      persist_s    from nbtrain's ``save`` call (both ranks at once, after a barrier) until
+                   the checkpoint is durable and, on the committing rank, committed, while
+                   both ranks keep training: format 1 (each rank writes its full copy, the
+                   bytes ``sync_s`` writes), so ``persist_vs_sync`` is persist while
+                   training / ``sync_s``, both with the writer's fsync.
+                   ``persist_breakdown_s`` says where the slowest rank's time went
+                   (checksum, write, fsync, commit wait; "other" is serialization and
+                   waiting for a CPU). The writer runs at ``writer_nice`` (10): on a busy
+                   machine it gets the CPU training leaves
   (c) dcp_async_blocking_s  ``torch.distributed.checkpoint.async_save`` (default stager,
                    thread executor) until it returns, steady state
+      dcp_persist_s  from the same ``async_save`` call until its upload future completes
+                   (written, and ``.metadata`` committed), the same state, while the same
+                   training loop runs. ``nbtrain_dcp_persist_s`` is nbtrain's persist in
+                   DCP's layout (format 2, what jobs write: replicated tensors once, spread
+                   over the ranks, the bytes DCP writes), measured like ``persist_s``;
+                   ``persist_vs_dcp`` = ``nbtrain_dcp_persist_s`` / ``dcp_persist_s``: both
+                   writers compete with training for the same cores
   (d) step time while a persist runs vs the steps around it, on rank 0 while rank 1 idles
       at a barrier (a writer core is free, as on a GPU node where the CPU mostly waits):
       with nbtrain's thread writer (``slowdown_during_persist``) and with the same shard
@@ -42,13 +58,22 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
+
+# The checkout this script lives in, not an installed nbtrain (the spawned ranks run this too).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-from nbtrain.runtime.async_ckpt import DEFAULT_WRITER_NICE, AsyncCheckpointer
+from nbtrain.runtime.async_ckpt import (
+    DEFAULT_WRITER_NICE,
+    AsyncCheckpointer,
+    SaveResult,
+)
+from nbtrain.runtime.dcp_state import to_dcp_state
 from nbtrain.runtime.storage import CheckpointStore
 
 WORLD = 2
@@ -92,6 +117,17 @@ class Trainer:
         while not done() and len(out) < max_steps:
             out.append(self.step())
         return out
+
+
+def persisted_in(r: SaveResult) -> float:
+    """From the save call until durable (and committed, on the committing rank)."""
+    return r.wait_s + r.blocking_s + (r.persist_s or 0.0) + (r.commit_s or 0.0)
+
+
+def breakdown(r: SaveResult) -> dict[str, float]:
+    parts = r.times.as_dict()
+    parts["other_s"] = max(0.0, persisted_in(r) - r.wait_s - r.blocking_s - sum(parts.values()))
+    return parts
 
 
 def median(xs: list[float]) -> float:
@@ -151,10 +187,12 @@ def rank_main(rank: int, args: argparse.Namespace, root: str, port: int) -> None
     store = CheckpointStore(f"{root}/nbtrain", keep=2)
     ck = AsyncCheckpointer(store, rank=rank, world_size=WORLD, attempt="bench")
     blocking, waits, persist, base, during, copies = [], [], [], [], [], []
+    parts: list[dict[str, float]] = []
     step = 0
     for _i in range(reps + 1):
         base += tr.steps(args.base_steps)
         step += args.base_steps
+        dist.barrier()  # both ranks save at once: the commit waits for a persist, not a step
         copies.append(memcpy())
         r = ck.save(step, {"model": tr.model, "optimizer": tr.opt}, {"step": step})
         blocking.append(r.blocking_s)
@@ -162,7 +200,8 @@ def rank_main(rank: int, args: argparse.Namespace, root: str, port: int) -> None
         during += tr.steps_until(lambda: not ck.in_flight)
         done = ck.wait()
         assert done is not None and done.error is None, done
-        persist.append(done.persist_s or float("nan"))
+        persist.append(persisted_in(done))
+        parts.append(breakdown(done))
     ck.close()
     res["first_blocking_s"] = blocking[0]  # includes allocating the host buffers
     res["blocking_s"] = median(blocking[1:])
@@ -170,27 +209,57 @@ def rank_main(rank: int, args: argparse.Namespace, root: str, port: int) -> None
     pairs = zip(blocking[1:], copies[1:], strict=True)
     res["blocking_vs_memcpy"] = median([b / c for b, c in pairs])
     res["wait_s"] = median(waits[1:])
-    res["persist_s"] = median(persist)
+    res["persist_s"] = median(persist[1:])
+    res["persist_breakdown_s"] = {k: median([p[k] for p in parts[1:]]) for k in parts[0]}
     res["committed"] = store.committed() if rank == 0 else None
     res["ws2_base_step_s"] = mean(base)
     res["ws2_persist_step_s"] = mean(during)
+
+    # (b') nbtrain in DCP's layout (what jobs write), the same state and training loop.
+    dist.barrier()
+    store = CheckpointStore(f"{root}/nbtrain-dcp", keep=2)
+    ck = AsyncCheckpointer(store, rank=rank, world_size=WORLD, attempt="bench-dcp",
+                           layout="dcp")
+    persist, parts, nbytes_dcp = [], [], []
+    tracked = {"model": tr.model, "optimizer": tr.opt}
+    for _i in range(reps + 1):
+        tr.steps(2)
+        step += 2
+        dist.barrier()
+        r = ck.save(step, to_dcp_state(tracked), {"step": step})
+        tr.steps_until(lambda: not ck.in_flight)
+        done = ck.wait()
+        assert done is not None and done.error is None, done
+        persist.append(persisted_in(done))
+        parts.append(breakdown(done))
+        nbytes_dcp.append(r.bytes)
+        dist.barrier()
+    ck.close()
+    res["nbtrain_dcp_persist_s"] = median(persist[1:])
+    res["nbtrain_dcp_breakdown_s"] = {k: median([p[k] for p in parts[1:]]) for k in parts[0]}
+    res["nbtrain_dcp_bytes"] = nbytes_dcp[-1]
 
     # (c) DCP async_save, default stager and thread executor.
     import torch.distributed.checkpoint as dcp
 
     dist.barrier()
-    dcp_block = []
+    dcp_block, dcp_persist = [], []
     for i in range(reps + 1):
         tr.steps(2)
+        finished: list[float] = []
         t = time.perf_counter()
         fut = dcp.async_save(state_dicts(), checkpoint_id=f"{root}/dcp-{i}")
         dcp_block.append(time.perf_counter() - t)
         upload = getattr(fut, "upload_completion", fut)
+        # Runs in the thread that completes the upload (or here, at once, if it is done).
+        upload.add_done_callback(lambda _f, out=finished: out.append(time.perf_counter()))
         tr.steps_until(upload.done)
         upload.result()
+        dcp_persist.append(finished[0] - t)
         dist.barrier()
     res["dcp_first_blocking_s"] = dcp_block[0]
     res["dcp_async_blocking_s"] = median(dcp_block[1:])
+    res["dcp_persist_s"] = median(dcp_persist[1:])
 
     # (d) rank 0 alone trains (rank 1 waits at the barrier): thread writer vs forked process.
     dist.barrier()
@@ -317,6 +386,10 @@ def main() -> None:
     report(ranks, args, time.perf_counter() - t0, gpu)
 
 
+def ms_parts(parts: dict[str, float]) -> str:
+    return " ".join(f"{k.removesuffix('_s')} {v * 1e3:.0f}" for k, v in parts.items()) + " ms"
+
+
 def report(ranks: list[dict[str, Any]], args: argparse.Namespace, wall: float,
            gpu: dict[str, Any] | None = None) -> None:
     def worst(key: str) -> float:
@@ -326,6 +399,10 @@ def report(ranks: list[dict[str, Any]], args: argparse.Namespace, wall: float,
     sync_s, blocking_s = worst("sync_s"), worst("blocking_s")
     dcp_s, memcpy_s = worst("dcp_async_blocking_s"), worst("memcpy_s")
     thread_slow, proc_slow = r0["thread_slowdown"], r0["proc_slowdown"]
+    persist_s, dcp_persist_s = worst("persist_s"), worst("dcp_persist_s")
+    nb_dcp_s = worst("nbtrain_dcp_persist_s")
+    slowest = max(ranks, key=lambda r: float(r["persist_s"]))
+    slowest_dcp = max(ranks, key=lambda r: float(r["nbtrain_dcp_persist_s"]))
     ws2_slow = max(r["ws2_persist_step_s"] / r["ws2_base_step_s"] - 1 for r in ranks)
     fig = {
         "state_mb": r0["state_bytes"] / 1e6,
@@ -334,7 +411,14 @@ def report(ranks: list[dict[str, Any]], args: argparse.Namespace, wall: float,
         "blocking_s": blocking_s,
         "first_blocking_s": worst("first_blocking_s"),
         "wait_s": worst("wait_s"),
-        "persist_s": worst("persist_s"),
+        "persist_s": persist_s,
+        "persist_vs_sync": persist_s / sync_s,
+        "persist_breakdown_s": slowest["persist_breakdown_s"],
+        "dcp_persist_s": dcp_persist_s,
+        "nbtrain_dcp_persist_s": nb_dcp_s,
+        "nbtrain_dcp_mb": max(float(r["nbtrain_dcp_bytes"]) for r in ranks) / 1e6,
+        "persist_vs_dcp": nb_dcp_s / dcp_persist_s,
+        "nbtrain_dcp_breakdown_s": slowest_dcp["nbtrain_dcp_breakdown_s"],
         "dcp_async_blocking_s": dcp_s,
         "dcp_first_blocking_s": worst("dcp_first_blocking_s"),
         "memcpy_s": memcpy_s,
@@ -373,12 +457,24 @@ def report(ranks: list[dict[str, Any]], args: argparse.Namespace, wall: float,
             f"{fig['blocking_ratio_vs_sync']:.3f} x sync (target <= 0.05)",
         ),
         ("    nbtrain first save (allocates)", f"{fig['first_blocking_s'] * 1e3:.1f} ms", ""),
-        ("    nbtrain background persist", f"{fig['persist_s'] * 1e3:.1f} ms", ""),
+        (
+            "    nbtrain persist while training",
+            f"{persist_s * 1e3:.1f} ms",
+            f"{fig['persist_vs_sync']:.2f} x sync; " + ms_parts(fig["persist_breakdown_s"]),
+        ),
+        (
+            "    nbtrain persist, DCP layout",
+            f"{nb_dcp_s * 1e3:.1f} ms",
+            f"{fig['persist_vs_dcp']:.2f} x DCP's (target <= 1); "
+            + ms_parts(fig["nbtrain_dcp_breakdown_s"]),
+        ),
         (
             "(c) DCP async_save blocking (steady)",
             f"{dcp_s * 1e3:.1f} ms",
             f"b/c {fig['blocking_ratio_vs_dcp']:.3f} (target <= 1.0)",
         ),
+        ("    DCP async_save until uploaded", f"{dcp_persist_s * 1e3:.1f} ms",
+         f"{fig['nbtrain_dcp_mb']:.1f} MB per rank"),
         (
             "(e) host memcpy of the state",
             f"{memcpy_s * 1e3:.1f} ms",

@@ -363,3 +363,68 @@ def test_an_abandoned_writer_never_raises_and_cannot_commit_or_prune(tmp_path: P
     assert not pending.committed and store.committed() == [1]  # no commit, nothing pruned
     assert [k for k, _ in events].count("committed") == 1
     assert ck.abandon() == ""  # again: nothing left, still no exception
+
+
+# -- saves that never commit leave nothing behind ---------------------------------------------
+def files_of(store: CheckpointStore, step: int) -> list[str]:
+    try:
+        return sorted(p.rsplit("/", 1)[-1] for p in store.fs.ls(store.step_dir(step),
+                                                                detail=False))
+    except FileNotFoundError:
+        return []
+
+
+def test_a_commit_that_times_out_removes_its_files(tmp_path: Path) -> None:
+    store = CheckpointStore(str(tmp_path / "c"))
+    ck = AsyncCheckpointer(store, rank=0, world_size=2, attempt="g", commit_timeout_s=0.2)
+    r = ck.save(1, {"x": torch.zeros(1000)})  # rank 1 never writes
+    ck.close(60)
+    assert r.error is not None and "timed out" in r.error
+    assert files_of(store, 1) == [] and not Path(store.step_dir(1)).exists()
+
+
+class HalfWrittenStore(CheckpointStore):
+    """Writes the rank's file, then the disk is full."""
+
+    def write_shard(self, step: int, rank: int, world_size: int, *a: Any,
+                    **kw: Any) -> ShardInfo:
+        self.fs.makedirs(self.step_dir(step), exist_ok=True)
+        with self.fs.open(f"{self.step_dir(step)}/__{rank}_0.distcp", "wb") as f:
+            f.write(b"x" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_failed_write_removes_what_it_wrote() -> None:
+    url = f"memory://half-{uuid.uuid4().hex}/c"
+    ck1 = AsyncCheckpointer(HalfWrittenStore(url), rank=1, world_size=2, attempt="g")
+    ck1.save(3, {"x": torch.zeros(1)})
+    ck1.close(60)
+    store = CheckpointStore(url)
+    # Rank 1's half-written file is gone; its failure marker stays for the committer.
+    assert files_of(store, 3) == ["rank-00001-of-00002.failed.json"]
+    ck0 = AsyncCheckpointer(store, rank=0, world_size=2, attempt="g", commit_timeout_s=3600)
+    r = ck0.save(3, {"x": torch.zeros(1)})
+    ck0.close(60)
+    assert r.error is not None and "rank 1 failed to write its shard" in r.error
+    assert files_of(store, 3) == []  # the committer removed its own files and the marker
+    solo = AsyncCheckpointer(HalfWrittenStore(url), rank=0, world_size=1, attempt="g")
+    solo.save(4, {"x": torch.zeros(1)})  # the committer's own write fails: nothing stays
+    solo.close(60)
+    assert files_of(store, 4) == []
+
+
+def test_abandoning_the_committer_removes_the_save_it_did_not_commit(tmp_path: Path) -> None:
+    store = CheckpointStore(str(tmp_path / "c"))
+    ck1 = AsyncCheckpointer(store, rank=1, world_size=3, attempt="g")
+    ck1.save(5, {"x": torch.ones(10)})
+    assert ck1.wait(60) is not None
+    ck0 = AsyncCheckpointer(store, rank=0, world_size=3, attempt="g", commit_timeout_s=3600)
+    ck0.save(5, {"x": torch.zeros(10)})  # rank 2 never writes: the commit waits
+    deadline = time.monotonic() + 60
+    while "rank-00000-of-00003.json" not in files_of(store, 5):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert ck1.abandon() == ""  # not the committer: it removes nothing (a commit may come)
+    assert len(files_of(store, 5)) == 4
+    assert ck0.abandon(timeout=60) == ""  # it will never commit step 5 now: all of it goes
+    assert files_of(store, 5) == [] and store.committed() == []

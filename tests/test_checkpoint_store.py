@@ -18,12 +18,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from nbtrain.runtime.checksum import Checksum
 from nbtrain.runtime.storage import (
     MANIFEST,
     CheckpointError,
     CheckpointStore,
     split_checkpoint_url,
 )
+
+DATA = Path(__file__).parent / "data" / "checkpoints"
 
 
 def payload(step: int, rank: int) -> dict[str, Any]:
@@ -76,8 +79,10 @@ def test_two_phase_commit_and_load(store: CheckpointStore) -> None:
     m = store.read_manifest(7)
     assert (m.step, m.world_size, m.job, m.metadata) == (7, 2, {"name": "digits"}, {"epoch": 1})
     shard = read(store, f"{store.step_dir(7)}/rank-00001-of-00002.pt")
-    assert m.shards[1].sha256 == hashlib.sha256(shard).hexdigest()
+    assert m.shards[1].checksum == Checksum.of_bytes(shard, "xxh3_128")
     assert m.shards[1].bytes == len(shard)
+    doc = json.loads(read(store, f"{store.step_dir(7)}/{MANIFEST}"))
+    assert doc["body"]["shards"][1]["xxh3_128"] == m.shards[1].checksum.hex
     got = store.load_shard(7, 1)
     assert got["step"] == 7 and torch.equal(got["w"], payload(7, 1)["w"])
     assert store.committed() == [7] and store.latest() == 7
@@ -182,7 +187,8 @@ def test_corrupt_shard_falls_back_with_the_file_named(store: CheckpointStore) ->
     data = bytearray(read(store, path))
     data[len(data) // 2] ^= 0xFF
     rewrite(store, path, bytes(data))
-    with pytest.raises(CheckpointError, match=r"rank-00000-of-00002.pt: shard sha256 does not"):
+    with pytest.raises(CheckpointError,
+                       match=r"rank-00000-of-00002.pt: xxh3_128 checksum does not match"):
         store.load_shard(2, 0)
     res = store.restore_latest(0)
     assert res is not None and res.step == 1
@@ -194,7 +200,8 @@ def test_truncated_shard(store: CheckpointStore) -> None:
     checkpoint(store, 2)
     path = f"{store.step_dir(2)}/rank-00001-of-00002.pt"
     rewrite(store, path, read(store, path)[:100])
-    with pytest.raises(CheckpointError, match="shard has 100 bytes, the manifest says"):
+    with pytest.raises(CheckpointError,
+                       match=r"rank-00001-of-00002.pt: file has 100 bytes, the manifest says"):
         store.load_shard(2, 1)
 
 
@@ -266,7 +273,7 @@ def _rehash(store: CheckpointStore, step: int, rank: int) -> None:
     doc = json.loads(read(store, mpath))
     entry = doc["body"]["shards"][rank]
     data = read(store, f"{store.step_dir(step)}/{entry['file']}")
-    entry["bytes"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+    entry["bytes"], entry["xxh3_128"] = len(data), Checksum.of_bytes(data).hex
     doc["sha256"] = hashlib.sha256(_canonical(doc["body"])).hexdigest()
     rewrite(store, mpath, json.dumps(doc).encode())
 
@@ -473,3 +480,364 @@ def test_sigkill_during_persist_never_leaves_a_loadable_partial_checkpoint(
     store = CheckpointStore(url, keep=3)
     store.cleanup_incomplete()
     assert _check_store(url, None) == newest
+
+
+# -- checksums streamed while reading ---------------------------------------------------------
+def dcp_state() -> dict[str, Any]:
+    return {"model": {"w": torch.arange(4096.0).reshape(64, 64), "b": torch.arange(64.0)},
+            "opt": {"lr": 0.25, "step": 5}}
+
+
+def dcp_checkpoint(store: CheckpointStore, step: int, world: int = 2) -> None:
+    from nbtrain.runtime.dcp_write import plan_shard
+
+    for r in range(world):
+        shard = plan_shard(dcp_state(), rank=r, world_size=world)
+        store.write_shard(step, r, world, {"meta": {"step": step}}, attempt="a", dcp=shard)
+    store.commit(step, world, attempt="a")
+
+
+def test_dcp_files_are_read_once_and_verified_as_they_are_read(
+        store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nbtrain.runtime.dcp_read import load_full
+
+    dcp_checkpoint(store, 3)
+    manifest = store.read_manifest(3)
+    sizes = {f.file: f.bytes for f in (*manifest.files, *manifest.shards)}
+    got: dict[str, int] = {}
+    real_open = store.fs.open
+
+    class Counting:
+        def __init__(self, f: Any, name: str) -> None:
+            self.f, self.name = f, name
+
+        def read(self, n: int = -1) -> bytes:
+            data = self.f.read(n)
+            got[self.name] = got.get(self.name, 0) + len(data)
+            return bytes(data)
+
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(self.f, attr)
+
+        def __enter__(self) -> Counting:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.f.close()
+
+    def counting_open(path: str, mode: str = "rb", **kw: Any) -> Any:
+        f = real_open(path, mode, **kw)
+        return Counting(f, path.rsplit("/", 1)[-1]) if mode == "rb" else f
+
+    monkeypatch.setattr(store.fs, "open", counting_open)
+    state = load_full(store.dcp_reader(manifest))
+    assert torch.equal(state["model"]["w"], dcp_state()["model"]["w"])
+    assert state["opt"] == {"lr": 0.25, "step": 5}
+    # Each data file and the index read exactly once, every byte: no verification pass.
+    for name in ("__0_0.distcp", "__1_0.distcp", "dcp-index.json"):
+        assert got[name] == sizes[name], (name, got, sizes)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_dcp_data_file_fails_the_load_naming_it(store: CheckpointStore,
+                                                          damage: str) -> None:
+    from nbtrain.runtime.dcp_read import load_full
+
+    dcp_checkpoint(store, 4)
+    path = f"{store.step_dir(4)}/__0_0.distcp"
+    data = bytearray(read(store, path))
+    if damage == "flip":
+        data[len(data) // 3] ^= 0x01
+    else:
+        data = data[: len(data) // 2]
+    rewrite(store, path, bytes(data))
+    expect = (r"__0_0.distcp: xxh3_128 checksum does not match" if damage == "flip"
+              else r"__0_0.distcp: file has \d+ bytes, the manifest says")
+    manifest = store.read_manifest(4)
+    with pytest.raises(CheckpointError, match=expect):
+        load_full(store.dcp_reader(manifest))
+    with pytest.raises(CheckpointError, match=expect):
+        store.verify(4)
+
+
+def test_reading_part_of_a_file_still_verifies_all_of_it(store: CheckpointStore) -> None:
+    from nbtrain.runtime.dcp_read import load_into
+
+    dcp_checkpoint(store, 6, world=1)  # one data file: w, b and the optimizer's values
+    index = json.loads(read(store, f"{store.step_dir(6)}/dcp-index.json"))
+    w = index["items"]["model.w"]["chunks"][0]
+    path = f"{store.step_dir(6)}/__0_0.distcp"
+    data = bytearray(read(store, path))
+    data[w["offset"] + w["length"] // 2] ^= 0x01  # inside w, which the load below skips
+    rewrite(store, path, bytes(data))
+    only_b = {"model": {"b": torch.zeros(64)}}
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp: xxh3_128 checksum does not"):
+        load_into(only_b, store.dcp_reader(store.read_manifest(6)))
+
+
+def test_a_damaged_index_is_refused_before_it_is_parsed(store: CheckpointStore) -> None:
+    dcp_checkpoint(store, 5)
+    path = f"{store.step_dir(5)}/dcp-index.json"
+    rewrite(store, path, read(store, path).replace(b'"items"', b'"itemz"'))
+    with pytest.raises(CheckpointError, match=r"dcp-index.json: xxh3_128 checksum does not"):
+        store.dcp_reader(store.read_manifest(5))
+
+
+def test_checkpoints_with_sha256_checksums_still_load(tmp_path: Path) -> None:
+    """Written by nbtrain before xxh3 (tests/data/checkpoints/README.md)."""
+    import shutil
+
+    from nbtrain.runtime.dcp_read import load_full
+
+    shutil.copytree(DATA, tmp_path / "old")
+    v1 = CheckpointStore(str(tmp_path / "old" / "sha256-format1"))
+    assert v1.committed() == [3]
+    assert v1.read_manifest(3).shards[0].checksum.algo == "sha256"
+    for rank in (0, 1):
+        res = v1.restore_latest(rank)
+        assert res is not None and res.step == 3 and res.skipped == []
+        assert torch.equal(res.payload["state"]["w"], torch.arange(6.0).reshape(2, 3) + rank)
+    v2 = CheckpointStore(str(tmp_path / "old" / "sha256-format2"))
+    manifest = v2.verify(5)
+    assert manifest.sharded and {f.checksum.algo for f in manifest.files} == {"sha256"}
+    state = load_full(v2.dcp_reader(manifest))
+    assert torch.equal(state["model"]["w"], torch.arange(12.0).reshape(3, 4))
+    assert torch.equal(state["model"]["b"], torch.full((4,), 0.5))
+    assert state["opt"] == {"lr": 0.25, "step": 5}
+    assert v2.load_shard(5, 1) == {"meta": {"step": 5, "rank": 1}}
+    # ... and their sha256 still catches a flipped byte, naming the file.
+    path = tmp_path / "old" / "sha256-format2" / "step-00000005" / "__1_0.distcp"
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"__1_0.distcp: sha256 checksum does not match"):
+        load_full(v2.dcp_reader(manifest))
+
+
+# -- commit: one listing per poll -------------------------------------------------------------
+class Requests:
+    """Counts what the committer asks the store: listings, and opens by file name."""
+
+    def __init__(self, store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.listings = 0
+        self.opens: dict[str, int] = {}
+        real_ls, real_open = store.fs.ls, store.fs.open
+
+        def ls(path: str, *a: Any, **kw: Any) -> Any:
+            self.listings += 1
+            return real_ls(path, *a, **kw)
+
+        def open_(path: str, mode: str = "rb", **kw: Any) -> Any:
+            if mode == "rb":
+                name = path.rsplit("/", 1)[-1]
+                self.opens[name] = self.opens.get(name, 0) + 1
+            return real_open(path, mode, **kw)
+
+        monkeypatch.setattr(store.fs, "ls", ls)
+        monkeypatch.setattr(store.fs, "open", open_)
+
+
+def test_commit_polls_with_one_listing_and_backs_off(store: CheckpointStore,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    store.write_shard(6, 0, 4, payload(6, 0), attempt="g")
+    store.write_shard(6, 1, 4, payload(6, 1), attempt="old")  # a crashed earlier attempt's
+    asked = Requests(store, monkeypatch)
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointError) as err:
+        store.commit(6, 4, attempt="g", timeout_s=0.6)
+    took = time.monotonic() - t0
+    assert "waiting for the shards of ranks [1, 2, 3] (attempt 'g')" in str(err.value)
+    assert "rank 1's receipt there is of attempt 'old'" in str(err.value)
+    assert 0.6 <= took < 5
+    # 5 ms doubling to 250 ms: about 7 polls in 0.6 s (at 20 ms, 30 polls of 7 requests).
+    assert 4 <= asked.listings <= 10, asked.listings
+    assert asked.opens == {"rank-00000-of-00004.json": 1, "rank-00001-of-00004.json": 1}
+
+
+def test_commit_reads_each_receipt_once_as_it_arrives(store: CheckpointStore,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    asked = Requests(store, monkeypatch)
+    store.write_shard(8, 0, 3, payload(8, 0), attempt="g")
+
+    def late() -> None:
+        for r in (1, 2):
+            time.sleep(0.15)
+            store.write_shard(8, r, 3, payload(8, r), attempt="g")
+
+    writer = threading.Thread(target=late)
+    writer.start()
+    manifest = store.commit(8, 3, attempt="g", timeout_s=30)
+    writer.join()
+    assert manifest.world_size == 3 and store.committed() == [8]
+    receipts = {k: v for k, v in asked.opens.items() if k.endswith("-of-00003.json")}
+    assert receipts == {f"rank-0000{r}-of-00003.json": 1 for r in range(3)}
+    assert asked.listings < 40
+
+
+def test_commit_cancelled_while_polling_and_bad_poll_settings(store: CheckpointStore) -> None:
+    store.write_shard(9, 0, 2, payload(9, 0), attempt="g")
+    calls: list[int] = []
+
+    def cancelled() -> bool:
+        calls.append(1)
+        return len(calls) >= 3
+
+    with pytest.raises(CheckpointError, match=r"commit cancelled while waiting for ranks \[1\]"):
+        store.commit(9, 2, attempt="g", timeout_s=60, cancelled=cancelled)
+    with pytest.raises(ValueError, match="poll_s must be"):
+        store.commit(9, 2, attempt="g", poll_s=(0.5, 0.1))
+
+
+# -- saves that never commit are removed ------------------------------------------------------
+def names(store: CheckpointStore, step: int) -> list[str]:
+    try:
+        return sorted(p.rsplit("/", 1)[-1] for p in store.fs.ls(store.step_dir(step),
+                                                                detail=False))
+    except FileNotFoundError:
+        return []
+
+
+def test_a_failed_commit_removes_its_attempt(store: CheckpointStore) -> None:
+    for r in (0, 1):
+        store.write_shard(2, r, 3, payload(2, r), attempt="g")
+    store.write_shard(2, 2, 3, payload(2, 2), attempt="other")  # not ours: stays
+    with pytest.raises(CheckpointError, match="timed out"):
+        store.commit(2, 3, attempt="g", timeout_s=0.05)
+    removed = store.discard(2, 3, "g")
+    assert len(removed) == 4
+    assert names(store, 2) == ["rank-00002-of-00003.json", "rank-00002-of-00003.pt"]
+    assert store.discard(2, 3, "other") and names(store, 2) == []
+    assert not store.fs.exists(store.step_dir(2))  # the emptied directory went too
+
+
+def test_a_rank_whose_write_failed_removes_its_own_files(local: CheckpointStore) -> None:
+    from nbtrain.runtime.dcp_write import plan_shard
+
+    shard = plan_shard(dcp_state(), rank=1, world_size=2)
+    with pytest.raises(Exception, match=r"pickle|lambda|Can.t"):  # its data file is written
+        local.write_shard(3, 1, 2, {"f": lambda: 0}, attempt="g", dcp=shard)
+    assert names(local, 3) == ["__1_0.distcp"]
+    local.write_failure(3, 1, 2, "PicklingError", attempt="g")
+    (Path(local.step_dir(3)) / "rank-00001-of-00002.pt.tmp-dead").write_bytes(b"half")
+    local.write_shard(3, 0, 2, payload(3, 0), attempt="g")  # another rank's: stays
+    local.discard(3, 2, "g", rank=1)
+    # Its failure marker stays: the committer reads it to fail at once.
+    assert names(local, 3) == ["rank-00000-of-00002.json", "rank-00000-of-00002.pt",
+                               "rank-00001-of-00002.failed.json"]
+    with pytest.raises(CheckpointError, match="rank 1 failed to write its shard"):
+        local.commit(3, 2, attempt="g", timeout_s=30)
+    local.discard(3, 2, "g")
+    assert names(local, 3) == []
+
+
+def test_after_its_generation_ended_only_files_its_receipt_names_go(
+        store: CheckpointStore) -> None:
+    for r in (0, 1):
+        store.write_shard(4, r, 2, payload(4, r), attempt="g1")
+    # The next generation already rewrote rank 1's shard under the same name (another size).
+    rewrite(store, f"{store.step_dir(4)}/rank-00001-of-00002.pt", b"a newer generation's")
+    store.discard(4, 2, "g1", ended=True)
+    assert names(store, 4) == ["rank-00001-of-00002.pt"]
+
+
+def test_a_committed_step_is_never_discarded(store: CheckpointStore) -> None:
+    checkpoint(store, 5)
+    before = names(store, 5)
+    assert store.discard(5, 2, "a") == [] and store.discard(5, 2, "a", rank=0) == []
+    assert names(store, 5) == before and store.load_shard(5, 1)["step"] == 5
+
+
+def test_cleanup_at_a_generation_start_removes_every_uncommitted_save(
+        local: CheckpointStore) -> None:
+    local.write_shard(1, 0, 2, payload(1, 0), attempt="g1")  # never committed, no newer
+    assert local.cleanup_incomplete() == []  # after a commit: nothing committed, stays
+    checkpoint(local, 2)
+    local.write_shard(3, 0, 2, payload(3, 0), attempt="g1")  # newer: stays after a commit
+    assert local.cleanup_incomplete() == [local.step_dir(1)]
+    assert local.write_probe("g1", 0) == "" and local.write_probe("g2", 1) == ""
+    stray = local_file(local, 2, "manifest.json.tmp-0123")
+    stray.write_bytes(b"{")
+    removed = local.cleanup_incomplete(start_of="g2")
+    assert set(removed) == {local.step_dir(3), str(stray), f"{local.root}/.probe-g1-r0"}
+    assert local.unseen_probes("g2", range(1, 2)) == []  # its own probes stay
+    assert local.committed() == [2] and local.load_shard(2, 0)["step"] == 2
+    # A directory whose manifest is unreadable is not ours to remove, even at a start.
+    checkpoint(local, 4)
+    _forge_manifest(local, 4, version=99)
+    assert local.cleanup_incomplete(start_of="g3") == [f"{local.root}/.probe-g2-r1"]
+    assert os.path.exists(local.step_dir(4))
+
+
+# -- local data files written with O_DIRECT ---------------------------------------------------
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 8 << 20, (8 << 20) + 12345, (17 << 20) + 7])
+def test_a_direct_file_holds_exactly_what_was_written(tmp_path: Path, size: int) -> None:
+    from nbtrain.runtime.direct_io import DirectFile
+
+    data = random.Random(size).randbytes(size)
+    path = tmp_path / "f"
+    rng = random.Random(-size)
+    with DirectFile(str(path)) as f:
+        pos = 0
+        while pos < size:  # pieces of any size, as torch.save writes them
+            n = rng.randint(1, 3 << 20)
+            f.write(memoryview(data)[pos:pos + n])
+            pos += n
+        f.seal()
+        os.fsync(f.fileno())
+    assert path.read_bytes() == data
+
+
+def test_a_direct_file_falls_back_where_o_direct_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from nbtrain.runtime.direct_io import DirectFile
+
+    if not getattr(os, "O_DIRECT", 0):
+        pytest.skip("no O_DIRECT on this platform")
+    data = random.Random(1).randbytes((9 << 20) + 5)
+    real_open, real_write = os.open, os.write
+    direct_fds: set[int] = set()
+
+    def open_at_first(path: str, flags: int, *a: Any) -> int:  # a FUSE-like mount
+        fd = real_open(path, flags, *a)
+        (direct_fds.add if flags & os.O_DIRECT else direct_fds.discard)(fd)
+        return fd
+
+    def refuse_direct_writes(fd: int, b: Any) -> int:
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, b)
+
+    def refuse_at_open(path: str, flags: int, *a: Any) -> int:  # tmpfs-like
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    for name, opener in (("refused-at-write", open_at_first), ("refused-at-open",
+                                                               refuse_at_open)):
+        monkeypatch.setattr(os, "open", opener)
+        monkeypatch.setattr(os, "write", refuse_direct_writes)
+        path = tmp_path / name
+        with DirectFile(str(path)) as f:
+            f.write(data[:100])
+            f.write(data[100:])
+            f.seal()
+            assert not f.direct
+        monkeypatch.setattr(os, "open", real_open)
+        monkeypatch.setattr(os, "write", real_write)
+        assert path.read_bytes() == data, name
+
+
+def test_direct_and_buffered_writes_make_the_same_checkpoint(tmp_path: Path) -> None:
+    big = {"w": torch.arange(3 << 20, dtype=torch.float32), "step": 1}  # 12 MB
+    stores = [CheckpointStore(str(tmp_path / n), direct_io=d) for n, d in (("d", True),
+                                                                           ("b", False))]
+    for s in stores:
+        s.write_shard(1, 0, 1, big, attempt="a")
+        s.commit(1, 1, attempt="a")
+    files = [local_file(s, 1, "rank-00000-of-00001.pt").read_bytes() for s in stores]
+    assert files[0] == files[1]
+    assert torch.equal(stores[0].load_shard(1, 0)["w"], big["w"])

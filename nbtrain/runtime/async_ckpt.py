@@ -7,11 +7,13 @@ At most one checkpoint is in flight per rank: the next ``save`` first waits for 
 persist, so host memory stays at one copy of the state; that wait is timed separately.
 
 Writer: a thread, chosen by measurement. Persisting a shard is ``torch.save`` into a hashing
-file wrapper (large ``write`` calls; file writes and sha256 release the GIL) plus fsync and
-rename, so the writer holds the GIL only in short bursts. ``python benchmarks/checkpoint.py
---quick`` measures the training step time while a 151 MB shard persists, in this thread and,
-as the no-GIL reference, in a separate writer process at the same priority
-(``slowdown_during_persist`` vs ``process_slowdown_during_persist``). Seven runs on the 2-core
+file wrapper (large ``write`` calls; file writes and xxh3 release the GIL) plus fsync and
+rename, so the writer holds the GIL only in short bursts (the figures below were measured
+with sha256 checksums and torch's zip CRC-32: about three times today's writer CPU).
+``python benchmarks/checkpoint.py --quick`` measures the training step time while a 151 MB
+shard persists, in this thread and, as the no-GIL reference, in a separate writer process
+at the same priority (``slowdown_during_persist`` vs ``process_slowdown_during_persist``).
+Seven runs on the 2-core
 development VM, shared with other jobs (load average 2 to 5), gave thread vs process:
 +44% vs +141% and +87% vs +67% with both writers at normal priority; +0.4% vs +1.4%,
 +6.2% vs +20%, +90% vs +92% (load 4.7) and +0.5% vs +3.0% at nice 10; +62% vs +31% at
@@ -26,6 +28,16 @@ Events go to ``on_event(kind, info)``, called from the training thread (``snapsh
 ``skipped``) and from the writer thread (``persisted``, ``committed``, ``failed``): make the
 callback thread-safe. A failed write (full disk, lost mount) is reported as ``failed`` with the
 error, the training loop continues, and the next ``save`` tries again.
+
+A save that does not commit leaves no files behind (``CheckpointStore.discard``): a rank whose
+write failed removes its own; a committer whose commit failed or timed out, or whose own
+write failed, removes every file of the attempt that a receipt names; ``abandon`` on the
+committer removes the files of a save it had not committed, but only those receipts name
+at the sizes they say (the next generation may already be writing the same step under the
+same names). Only the committer decides that a save will not commit: another rank never
+removes files its receipt names, and a fenced writer still running removes nothing. What a
+rank still wrote after its committer gave up goes at the next commit's cleanup or at the
+job's next start (``cleanup_incomplete``).
 """
 
 from __future__ import annotations
@@ -44,7 +56,7 @@ from typing import Any
 from nbtrain.core.checkpoint_policy import DEFAULT_COMMIT_TIMEOUT_S
 from nbtrain.runtime.dcp_write import DcpShard, plan_shard
 from nbtrain.runtime.snapshot import HostSnapshotter
-from nbtrain.runtime.storage import CheckpointError, CheckpointStore
+from nbtrain.runtime.storage import CheckpointError, CheckpointStore, PersistTimes
 
 __all__ = ["AsyncCheckpointer", "EventCallback", "SaveResult"]
 
@@ -66,6 +78,8 @@ class SaveResult:
     error: str | None = None
     phase: str | None = None  # where it failed: persist / commit
     pruned: list[int] = field(default_factory=list)
+    #: where the persist and commit time went (checksum, write, fsync, commit wait)
+    times: PersistTimes = field(default_factory=PersistTimes)
 
     @property
     def stall_s(self) -> float:
@@ -241,6 +255,10 @@ class AsyncCheckpointer:
         except Exception as exc:  # still writing after timeout: fenced, left to finish
             return (f"a checkpoint write was still running after {timeout:g} s "
                     f"({type(exc).__name__}); it is fenced: it cannot commit or prune")
+        last = self.results[-1] if self.results else None
+        if self.committer and last is not None and not last.committed:
+            # It will never commit that save now (only the committer could).
+            self.store.discard(last.step, self.world_size, self.attempt, ended=True)
         return ""
 
     def __enter__(self) -> AsyncCheckpointer:
@@ -302,13 +320,18 @@ class AsyncCheckpointer:
             return
         try:
             info = self.store.write_shard(
-                step, self.rank, self.world_size, payload, attempt=self.attempt, dcp=shard
+                step, self.rank, self.world_size, payload, attempt=self.attempt, dcp=shard,
+                times=result.times,
             )
         except Exception as e:
             self._fail(result, "persist", e)
             self.store.write_failure(
                 step, self.rank, self.world_size, _describe(e), attempt=self.attempt
             )
+            if not self._cancel.is_set():  # fenced: the next generation may own these names
+                self.store.discard(step, self.world_size, self.attempt, rank=self.rank)
+                if self.committer:  # it will not commit: the others' files go too
+                    self.store.discard(step, self.world_size, self.attempt)
             return
         result.persist_s = time.perf_counter() - t0
         self._emit(
@@ -317,7 +340,7 @@ class AsyncCheckpointer:
                 "step": step,
                 "bytes": info.bytes,
                 "persist_ms": result.persist_s * 1e3,
-                "sha256": info.sha256,
+                "checksum": f"{info.checksum.algo}:{info.checksum.hex}",
             },
         )
         if not self.committer:
@@ -335,9 +358,12 @@ class AsyncCheckpointer:
                 metadata=manifest_metadata,
                 timeout_s=self.commit_timeout_s,
                 cancelled=self._cancel.is_set,
+                times=result.times,
             )
         except Exception as e:
             self._fail(result, "commit", e)
+            if not self._cancel.is_set():
+                self.store.discard(step, self.world_size, self.attempt)
             return
         result.commit_s = time.perf_counter() - t1
         result.committed = True

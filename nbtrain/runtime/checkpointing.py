@@ -146,12 +146,27 @@ class RankCheckpointing:
                 self.attempt, range(self.world_size)))
         except Exception as exc:  # reported with the others', after the gather
             write_error, unseen = f"cannot list it: {type(exc).__name__}: {exc}", ()
+        if self.rank == 0:
+            self._cleanup_at_start()  # while every rank waits in the gather below
         reports: list[Any] = [None] * self.world_size
         dist.all_gather_object(reports, ProbeReport(self.rank, host, write_error, unseen))
         self.store.remove_probe(self.attempt, self.rank)
         problem = storage_problem(self.plan.url, reports)
         if problem:
             raise CheckpointError(self.plan.url, problem)
+
+    def _cleanup_at_start(self) -> None:
+        """Remove the job's saves that never committed (and stale probe files): no rank of
+        this generation is saving yet, and one of an ended generation cannot commit."""
+        try:
+            removed = self.store.cleanup_incomplete(start_of=self.attempt)
+        except Exception as exc:  # housekeeping: never fails a start
+            logger.warning("nbtrain rank %d: cleaning up %s failed: %s: %s", self.rank,
+                           self.plan.url, type(exc).__name__, exc)
+            return
+        if removed:
+            logger.info("nbtrain rank %d: removed %d uncommitted checkpoint paths under %s",
+                        self.rank, len(removed), self.plan.url)
 
     def _committed(self, url: str, at: int | None) -> tuple[int, ...]:
         """This rank's view of one source: its committed steps at or before ``at``."""

@@ -3,11 +3,19 @@
 DCP's own ``FileSystemReader`` unpickles ``.metadata``, which can run code; nbtrain's
 guarantee is that a checkpoint directory cannot. So nbtrain reads through
 :class:`IndexReader`, a DCP ``StorageReader`` whose metadata comes from the JSON index the
-committer wrote next to ``.metadata`` (checksummed in the manifest), which verifies the
-sha256 of every data file before it reads from it, and which loads tensors and objects with
-``torch.load(..., weights_only=True)``. ``dcp.load`` plans the reads: each rank reads the
-parts of the saved chunks that overlap the chunks it holds now, so a checkpoint restores at
-another world size or mesh shape (resharding) with no collective.
+committer wrote next to ``.metadata`` (checksummed in the manifest), and which loads tensors
+and objects with ``torch.load(..., weights_only=True)``.
+
+Each data file a load needs is read once, front to back, and hashed as it is read (the gaps
+between the chunks this rank needs are read and hashed too, see
+:class:`~nbtrain.runtime.checksum.StreamCheck`); its size and checksum are checked when its
+last byte is in, and a mismatch raises ``CheckpointError`` naming the file before the load
+returns. The targets have been written into by then: a load that raises leaves them
+garbage, and the caller loads another checkpoint into them or fails (restore does).
+
+``dcp.load`` plans the reads: each rank reads the parts of the saved chunks that overlap the
+chunks it holds now, so a checkpoint restores at another world size or mesh shape
+(resharding) with no collective.
 
 DCP's own readers (``dcp.load(state_dict, checkpoint_id=dir)``,
 ``format_utils.dcp_to_torch_save``) read the same directory through ``.metadata``.
@@ -15,7 +23,7 @@ DCP's own readers (``dcp.load(state_dict, checkpoint_id=dir)``,
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import io
 import itertools
 import os
@@ -32,11 +40,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from nbtrain.runtime.checksum import StreamCheck
 from nbtrain.runtime.dcp_write import metadata_from_index
+from nbtrain.runtime.errors import CheckpointError
 
 __all__ = ["IndexReader", "WeightsOnlyLoadPlanner", "load_full", "load_into"]
-
-_CHUNK = 8 << 20
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
@@ -56,20 +64,18 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
 class IndexReader(StorageReader):
     """A DCP ``StorageReader`` over one committed step directory.
 
-    open_file(name) -> binary file object (seekable) of a file in the step directory;
-    verify(name) raises if the file's size or sha256 is not the manifest's (called once per
-    file, before the first read from it).
+    open_file(name) -> (binary file object, seekable; what verifies it as it is read) for a
+    file of the step directory.
     """
 
-    def __init__(self, index: Mapping[str, Any], open_file: Callable[[str], Any],
-                 verify: Callable[[str], None], checkpoint_id: str = "") -> None:
+    def __init__(self, index: Mapping[str, Any],
+                 open_file: Callable[[str], tuple[Any, StreamCheck]],
+                 checkpoint_id: str = "") -> None:
         super().__init__()
         self.index = index
         self.open_file = open_file
-        self.verify = verify
         self.id = checkpoint_id
         self.storage_data: dict[Any, Any] = {}
-        self._verified: set[str] = set()
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
@@ -92,32 +98,43 @@ class IndexReader(StorageReader):
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path,
                                 []).append(item)
-        for name in per_file:  # every file checked before anything is loaded from any
-            if name not in self._verified:
-                self.verify(name)
-                self._verified.add(name)
         for name, items in per_file.items():
-            with self.open_file(name) as f:
-                for item in sorted(items, key=lambda i: self.storage_data[
-                        i.storage_index].offset):
-                    info = self.storage_data[item.storage_index]
-                    f.seek(info.offset)
-                    raw = io.BytesIO(f.read(info.length))
-                    if item.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(item, raw)
-                        continue
-                    saved = torch.load(raw, map_location="cpu", weights_only=True)
-                    part = _narrow(saved, item.storage_offsets, item.lengths)
-                    target = planner.resolve_tensor(item).detach()
-                    if target.size() != part.size():
-                        raise ValueError(f"{item.storage_index.fqn}: checkpoint chunk "
-                                         f"{tuple(part.size())} does not fit the target "
-                                         f"{tuple(target.size())}")
-                    target.copy_(part)
-                    planner.commit_tensor(item, target)
+            f, check = self.open_file(name)
+            with f:
+                try:
+                    for item in sorted(items, key=lambda i: self.storage_data[
+                            i.storage_index].offset):
+                        info = self.storage_data[item.storage_index]
+                        self._load_item(item, check.read_at(f, info.offset, info.length),
+                                        planner)
+                except CheckpointError:
+                    raise
+                except Exception:
+                    # Corrupt bytes can fail to parse before the checksum is known: if the
+                    # file is corrupt, say that, naming it.
+                    with contextlib.suppress(OSError, ValueError):
+                        check.finish(f)
+                    raise
+                check.finish(f)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    @staticmethod
+    def _load_item(item: ReadItem, data: bytes, planner: LoadPlanner) -> None:
+        raw = io.BytesIO(data)
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, raw)
+            return
+        saved = torch.load(raw, map_location="cpu", weights_only=True)
+        part = _narrow(saved, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != part.size():
+            raise ValueError(f"{item.storage_index.fqn}: checkpoint chunk "
+                             f"{tuple(part.size())} does not fit the target "
+                             f"{tuple(target.size())}")
+        target.copy_(part)
+        planner.commit_tensor(item, target)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -187,13 +204,3 @@ def _set(root: dict[str, Any], path: list[Any], value: Any) -> None:
         cur[last] = value
     else:
         cur[last] = value
-
-
-def sha256_of(f: Any) -> tuple[int, str]:
-    """(bytes, sha256) of a binary file object read to its end."""
-    sha = hashlib.sha256()
-    n = 0
-    while chunk := f.read(_CHUNK):
-        sha.update(chunk)
-        n += len(chunk)
-    return n, sha.hexdigest()

@@ -37,3 +37,12 @@ class RankFailure(Exception):
 
 def looks_like_peer_failure(text: str) -> bool:
     return any(marker in text for marker in PEER_ERROR_MARKERS)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written, committed or read. ``path`` names the file."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+        self.problem = problem

@@ -4,7 +4,7 @@ Layout under the root URL (format 2, the one jobs write)::
 
     step-00000123/__0_0.distcp               rank 0's tensor chunks and objects (DCP's layout)
     step-00000123/rank-00000-of-00002.pt     rank 0's own: RNG states, data position, step
-    step-00000123/rank-00000-of-00002.json   receipt: the rank's files, sizes, sha256, index
+    step-00000123/rank-00000-of-00002.json   receipt: the rank's files, sizes, checksums, index
     step-00000123/.metadata                  DCP's metadata (pickle), for DCP's own readers
     step-00000123/dcp-index.json             the same as JSON, what nbtrain reads
     step-00000123/manifest.json              written last: the checkpoint is committed
@@ -14,24 +14,46 @@ The step directory is a ``torch.distributed.checkpoint`` checkpoint (``dcp.load`
 :mod:`nbtrain.runtime.dcp_write`). Format 1, written before sharded checkpoints, has no DCP
 files: each rank's ``.pt`` shard holds a full copy of the state; it is still read.
 
-Phase one: every rank writes its files under temporary names, flushes and fsyncs them (local
-files), renames them into place, then writes its receipt the same way; a receipt therefore
-proves its files are durable. Phase two: one rank waits (with a deadline) for all receipts of
-the same attempt, writes DCP's metadata and the index from them, then the manifest, each
-atomically. A checkpoint is committed when its manifest is present and valid; a crash at any
-moment leaves either a committed checkpoint or a directory without a manifest, which readers
-ignore and ``cleanup_incomplete`` removes.
+Phase one: every rank writes its files under temporary names, hashing them on the way
+(xxh3-128, :mod:`nbtrain.runtime.checksum`), flushes and fsyncs them (local files), renames
+them into place, then writes its receipt the same way; a receipt therefore proves its files
+are durable. Phase two: one rank waits (with a deadline; one directory listing per poll,
+backing off) for all receipts of the same attempt, writes DCP's metadata and the index from
+them, then the manifest, each atomically. A checkpoint is committed when its manifest is
+present and valid; a crash at any moment leaves either a committed checkpoint or a directory
+without a manifest, which readers ignore.
 
-Reading verifies the manifest's own checksum, each shard's size and sha256, and loads with
-``torch.load(..., weights_only=True)``, so a checkpoint directory cannot run code. Problems
-raise ``CheckpointError`` naming the file and what is wrong; ``restore_latest`` falls back to
-the previous committed checkpoint and reports what it skipped.
+Reading verifies the manifest's own checksum (sha256), and each file's size and checksum as
+it is read (one read per file; manifests and receipts written before xxh3 name sha256, and
+verify so), and loads with ``torch.load(..., weights_only=True)``, so a checkpoint directory
+cannot run code. Problems raise ``CheckpointError`` naming the file and what is wrong;
+``restore_latest`` falls back to the previous committed checkpoint and reports what it
+skipped.
+
+Saves that never commit are removed, and what may be removed when is what keeps a live
+writer's files safe. ``discard``: a rank whose write failed removes its own files, by name,
+while its generation is live (no other generation writes then); a committer whose commit
+failed removes the files of its attempt that receipts name, the receipts, failure markers
+and the DCP index and metadata it wrote, never a file of a rank still writing (no receipt
+yet); once a generation has ended (its writers are fenced), only files that a receipt of
+the attempt names, at the size it says, go, since the next generation may be writing the
+same step under the same names. ``cleanup_incomplete`` after each commit removes directories
+without a manifest older than the newest committed checkpoint (a newer one may be the same
+generation's next save, in progress) and leftover temporary files; at a generation's start,
+while its ranks wait in a collective and so none of them saves, it removes every directory
+without a manifest, and probe files of other attempts. Nothing is removed from a step that
+has a manifest but temporary files, and a directory whose manifest cannot be read (corrupt,
+foreign, another format version) is left alone. The one race left is a writer that does
+not know its generation ended (a rank cut off from the controller but not from storage):
+what it removes can fail a commit of the next generation, which then retries, and a
+checkpoint that lost a file that way is skipped by restore, never loaded.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -41,14 +63,21 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any
 
 import fsspec
 import torch
 from fsspec.core import url_to_fs
 
 from nbtrain.core.checkpoint_policy import DEFAULT_COMMIT_TIMEOUT_S
-from nbtrain.runtime.dcp_read import IndexReader, sha256_of
+from nbtrain.runtime.checksum import (
+    Checksum,
+    HashingWriter,
+    StreamCheck,
+    read_verified,
+    without_zip_crc,
+)
+from nbtrain.runtime.dcp_read import IndexReader
 from nbtrain.runtime.dcp_write import (
     INDEX_FILE,
     METADATA_FILE,
@@ -58,6 +87,8 @@ from nbtrain.runtime.dcp_write import (
     metadata_from_index,
     write_items,
 )
+from nbtrain.runtime.direct_io import DirectFile, open_for_write
+from nbtrain.runtime.errors import CheckpointError
 
 __all__ = [
     "FORMAT_NAME",
@@ -65,6 +96,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointStore",
     "Manifest",
+    "PersistTimes",
     "RestoreResult",
     "ShardInfo",
     "split_checkpoint_url",
@@ -78,18 +110,27 @@ READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _TMP = ".tmp-"
-_CHUNK = 8 << 20
+#: Commit polls: the first interval and the longest (it doubles in between).
+COMMIT_POLL_S = (0.005, 0.25)
 # Object stores have no rename, but a PUT is atomic: write the final name directly there.
 _NO_RENAME = {"s3", "s3a", "gs", "gcs", "abfs", "az", "adl", "oss"}
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written, committed or read. ``path`` names the file."""
+@dataclass
+class PersistTimes:
+    """Where a checkpoint's persist time went, in seconds, summed over its files: hashing the
+    bytes, handing them to the file (the page cache, or the store's client), fsync (local
+    files), and the committer's wait for the other ranks' receipts. What is left of the
+    persist's wall time is serialization and waiting for a CPU."""
 
-    def __init__(self, path: str, problem: str) -> None:
-        super().__init__(f"{path}: {problem}")
-        self.path = path
-        self.problem = problem
+    checksum_s: float = 0.0
+    write_s: float = 0.0
+    fsync_s: float = 0.0
+    commit_wait_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"checksum_s": self.checksum_s, "write_s": self.write_s,
+                "fsync_s": self.fsync_s, "commit_wait_s": self.commit_wait_s}
 
 
 @dataclass(frozen=True)
@@ -97,7 +138,22 @@ class ShardInfo:
     rank: int
     file: str  # name inside the step directory
     bytes: int
-    sha256: str
+    checksum: Checksum
+
+    def entry(self, *, rank: bool = True) -> dict[str, Any]:
+        """As a manifest (or, without the rank, a receipt) stores it."""
+        out: dict[str, Any] = {"file": self.file, "bytes": self.bytes, **self.checksum.entry()}
+        if rank:
+            out["rank"] = self.rank
+        return out
+
+    @staticmethod
+    def of_entry(entry: Mapping[str, Any], rank: int | None = None) -> ShardInfo:
+        """From a stored entry (its checksum under the algorithm's name: ``sha256`` in
+        checkpoints written before xxh3); ``KeyError``/``ValueError`` if a field is bad."""
+        return ShardInfo(rank=int(entry["rank"]) if rank is None else rank,
+                         file=str(entry["file"]), bytes=int(entry["bytes"]),
+                         checksum=Checksum.of_entry(entry))
 
 
 @dataclass(frozen=True)
@@ -156,24 +212,6 @@ def split_checkpoint_url(url: str) -> tuple[str, int | None]:
     return trimmed[: -len(posixpath.basename(trimmed))].rstrip("/") or "/", int(m.group(1))
 
 
-class _HashingWriter:
-    """File-like that hashes and counts what torch.save writes: one pass over the bytes."""
-
-    def __init__(self, raw: BinaryIO) -> None:
-        self.raw = raw
-        self.sha = hashlib.sha256()
-        self.count = 0
-
-    def write(self, data: Any) -> int:
-        self.sha.update(data)
-        n = self.raw.write(data)
-        self.count += memoryview(data).nbytes
-        return n if n is not None else memoryview(data).nbytes
-
-    def flush(self) -> None:
-        self.raw.flush()
-
-
 def _canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
@@ -183,10 +221,15 @@ class CheckpointStore:
 
     keep: how many committed checkpoints ``prune`` keeps (>= 1; the newest is never removed).
     storage_options: passed to fsspec (credentials, endpoint, ...).
+    direct_io: write local data files with ``O_DIRECT`` (:mod:`nbtrain.runtime.direct_io`):
+        at disk speed with little CPU, and no page cache taken. Where the file system
+        refuses it they are written the ordinary way; turn it off where direct writes are
+        slow (a network file system with small write sizes).
     """
 
     def __init__(
-        self, url: str, *, keep: int = 3, storage_options: Mapping[str, Any] | None = None
+        self, url: str, *, keep: int = 3, storage_options: Mapping[str, Any] | None = None,
+        direct_io: bool = True,
     ) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(
@@ -199,6 +242,7 @@ class CheckpointStore:
         self.root = self.root.rstrip("/") or "/"
         self._local = "file" in _protocols(self.fs)
         self._rename = not (_protocols(self.fs) & _NO_RENAME)
+        self.direct_io = direct_io
         self.fs.makedirs(self.root, exist_ok=True)
 
     def __repr__(self) -> str:
@@ -227,24 +271,42 @@ class CheckpointStore:
         return sorted(set(steps), reverse=True)
 
     # -- atomic writes ------------------------------------------------------------------------
-    def _write_atomic(self, path: str, write: Callable[[BinaryIO], None]) -> None:
-        """Write ``path`` so that readers see either nothing or the whole durable file."""
+    def _write_atomic(self, path: str, write: Callable[[HashingWriter], None],
+                      times: PersistTimes | None = None, *,
+                      bulk: bool = False) -> tuple[int, Checksum]:
+        """Write ``path`` so that readers see either nothing or the whole durable file; its
+        size and checksum, hashed on the way (``write`` gets a file that hashes). ``bulk``:
+        a large file, written with ``O_DIRECT`` where the store allows it."""
         if not self._rename:
             with self.fs.open(path, "wb") as f:
-                write(f)
-            return
+                hw = HashingWriter(f)
+                write(hw)
+            _add_times(times, hw)
+            return hw.count, hw.checksum
         tmp = f"{path}{_TMP}{uuid.uuid4().hex}"
         try:
             if self._local:
-                with open(tmp, "wb") as f:
-                    write(f)
-                    f.flush()
+                with open_for_write(tmp, direct=bulk and self.direct_io) as f:
+                    hw = HashingWriter(f)
+                    write(hw)
+                    t0 = time.perf_counter()
+                    if isinstance(f, DirectFile):
+                        f.seal()
+                    else:
+                        f.flush()
+                    hw.write_s += time.perf_counter() - t0
+                    t0 = time.perf_counter()
                     os.fsync(f.fileno())
+                    t1 = time.perf_counter()
                 os.replace(tmp, path)
+                t2 = time.perf_counter()
                 _fsync_dir(posixpath.dirname(path))
+                if times is not None:
+                    times.fsync_s += (t1 - t0) + (time.perf_counter() - t2)
             else:
                 with self.fs.open(tmp, "wb") as f:
-                    write(f)
+                    hw = HashingWriter(f)
+                    write(hw)
                 self.fs.mv(tmp, path)
         except BaseException:
             with contextlib.suppress(Exception):
@@ -253,19 +315,23 @@ class CheckpointStore:
                 else:
                     self.fs.rm(tmp)
             raise
+        _add_times(times, hw)
+        return hw.count, hw.checksum
 
-    def _write_json(self, path: str, obj: Any) -> None:
-        data = json.dumps(obj, indent=1, sort_keys=True).encode()
-
-        def write(f: BinaryIO) -> None:
+    def _write_bytes(self, path: str, data: bytes,
+                     times: PersistTimes | None = None) -> tuple[int, Checksum]:
+        def write(f: HashingWriter) -> None:
             f.write(data)
 
-        self._write_atomic(path, write)
+        return self._write_atomic(path, write, times)
+
+    def _write_json(self, path: str, obj: Any, times: PersistTimes | None = None) -> None:
+        self._write_bytes(path, json.dumps(obj, indent=1, sort_keys=True).encode(), times)
 
     # -- phase one ----------------------------------------------------------------------------
     def write_shard(
         self, step: int, rank: int, world_size: int, payload: Any, *, attempt: str = "",
-        dcp: DcpShard | None = None,
+        dcp: DcpShard | None = None, times: PersistTimes | None = None,
     ) -> ShardInfo:
         """Persist this rank's files and its receipt. Blocking; call it off the training loop.
 
@@ -274,6 +340,7 @@ class CheckpointStore:
             first, and its index entries go into the receipt for the committer.
         attempt: an id shared by the ranks of one save (e.g. job generation): the committer
             only accepts receipts of its own attempt, never a stale shard of a crashed one.
+        times: where the time went is added to it.
         """
         _check_rank(rank, world_size)
         sdir = self.step_dir(step)
@@ -287,52 +354,46 @@ class CheckpointStore:
         version = FORMAT_VERSION if dcp is not None else FULL_COPY_VERSION
         files: list[ShardInfo] = []
         part: dict[str, Any] | None = None
-        if dcp is not None:
-            dname = data_file(rank)
-            entries: list[dict[str, Any]] = []
+        with without_zip_crc():  # our checksum covers every byte already
+            if dcp is not None:
+                dname = data_file(rank)
+                entries: list[dict[str, Any]] = []
 
-            def write_data(f: BinaryIO) -> None:
-                hw = _HashingWriter(f)
-                entries.extend(write_items(hw, dcp, dname))
-                files.append(ShardInfo(rank=rank, file=dname, bytes=hw.count,
-                                       sha256=hw.sha.hexdigest()))
+                def write_data(f: HashingWriter) -> None:
+                    entries.extend(write_items(f, dcp, dname))
 
-            self._write_atomic(f"{sdir}/{dname}", write_data)
-            part = {"entries": entries, "held": dcp.held, "paths": dcp.paths}
-        name = shard_name(rank, world_size)
-        obj = {
-            "format": FORMAT_NAME,
-            "version": version,
-            "step": step,
-            "rank": rank,
-            "world_size": world_size,
-            "payload": payload,
-        }
-        box: list[_HashingWriter] = []
+                n, checksum = self._write_atomic(f"{sdir}/{dname}", write_data, times,
+                                                 bulk=True)
+                files.append(ShardInfo(rank=rank, file=dname, bytes=n, checksum=checksum))
+                part = {"entries": entries, "held": dcp.held, "paths": dcp.paths}
+            name = shard_name(rank, world_size)
+            obj = {
+                "format": FORMAT_NAME,
+                "version": version,
+                "step": step,
+                "rank": rank,
+                "world_size": world_size,
+                "payload": payload,
+            }
 
-        def write(f: BinaryIO) -> None:
-            hw = _HashingWriter(f)
-            torch.save(obj, hw)  # type: ignore[arg-type]
-            box.append(hw)
+            def write(f: HashingWriter) -> None:
+                torch.save(obj, f)  # type: ignore[arg-type]
 
-        self._write_atomic(f"{sdir}/{name}", write)
-        info = ShardInfo(rank=rank, file=name, bytes=box[0].count, sha256=box[0].sha.hexdigest())
+            n, checksum = self._write_atomic(f"{sdir}/{name}", write, times,
+                                             bulk=version == FULL_COPY_VERSION)
+        info = ShardInfo(rank=rank, file=name, bytes=n, checksum=checksum)
         receipt: dict[str, Any] = {
             "format": FORMAT_NAME,
             "version": version,
             "step": step,
             "world_size": world_size,
             "attempt": attempt,
-            "rank": rank,
-            "file": name,
-            "bytes": info.bytes,
-            "sha256": info.sha256,
+            **info.entry(),
         }
         if part is not None:
-            receipt["files"] = [{"file": f.file, "bytes": f.bytes, "sha256": f.sha256}
-                                for f in files]
+            receipt["files"] = [f.entry(rank=False) for f in files]
             receipt["dcp"] = part
-        self._write_json(f"{sdir}/{name[:-3]}.json", receipt)
+        self._write_json(f"{sdir}/{name[:-3]}.json", receipt, times)
         return info
 
     def write_failure(
@@ -353,16 +414,24 @@ class CheckpointStore:
             self.fs.makedirs(self.step_dir(step), exist_ok=True)
             self._write_json(f"{self.step_dir(step)}/{name}", doc)
 
-    def _read_failure(self, step: int, rank: int, world_size: int, attempt: str) -> str | None:
-        path = f"{self.step_dir(step)}/{shard_name(rank, world_size)[:-3]}.failed.json"
+    def _read_doc(self, path: str) -> dict[str, Any] | None:
+        """A small JSON file of ours, or None if it is missing or not a JSON object."""
         try:
             with self.fs.open(path, "rb") as f:
                 doc = json.loads(f.read())
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # gone, or garbage from a crash
             return None
-        if isinstance(doc, dict) and doc.get("attempt") == attempt and doc.get("step") == step:
-            return str(doc.get("error", "unknown error"))
-        return None
+        return doc if isinstance(doc, dict) else None
+
+    def _listing(self, path: str) -> dict[str, dict[str, Any]]:
+        """One listing of a directory: name -> fsspec's entry (size, type, times)."""
+        with contextlib.suppress(Exception):
+            self.fs.invalidate_cache(path)  # listing caches (NFS-like stores)
+        try:
+            entries = self.fs.ls(path, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        return {posixpath.basename(str(e["name"]).rstrip("/")): e for e in entries}
 
     # -- phase two ----------------------------------------------------------------------------
     def commit(
@@ -374,50 +443,96 @@ class CheckpointStore:
         job: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
         timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S,
-        poll_s: float = 0.02,
+        poll_s: tuple[float, float] = COMMIT_POLL_S,
         cancelled: Callable[[], bool] | None = None,
+        times: PersistTimes | None = None,
     ) -> Manifest:
         """Wait until every rank's receipt of ``attempt`` is there, then (format 2) write
-        DCP's metadata and the index, then the manifest."""
+        DCP's metadata and the index, then the manifest. ``times.commit_wait_s`` gets the
+        wait.
+
+        Waiting costs one listing of the step directory per poll; a receipt or failure marker
+        is read when it appears or changes. Polls start ``poll_s[0]`` apart and back off,
+        doubling, to ``poll_s[1]`` (again from the start when a receipt arrives): a commit
+        that waits on a slow rank costs the store a few requests a second, and one whose
+        ranks are done is noticed within milliseconds. ``cancelled`` is asked at every poll
+        and once more before anything is written.
+        """
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if not 0 < poll_s[0] <= poll_s[1]:
+            raise ValueError(f"poll_s must be (first, longest) with 0 < first <= longest, got "
+                             f"{poll_s!r}, e.g. {COMMIT_POLL_S}")
         sdir = self.step_dir(step)
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = started + timeout_s
         receipts: dict[int, Receipt] = {}
+        others: dict[int, str] = {}  # rank -> the attempt its receipt belongs to
+        seen: dict[str, tuple[Any, ...]] = {}  # file -> the version of it last read
+        delay = poll_s[0]
         while True:
+            listing = self._listing(sdir)
+            arrived = False
             for rank in range(world_size):
-                if rank not in receipts:
-                    got = self._read_receipt(step, rank, world_size, attempt)
-                    if got is not None:
+                if rank in receipts:
+                    continue
+                base = shard_name(rank, world_size)[:-3]
+                for name in (f"{base}.json", f"{base}.failed.json"):
+                    entry = listing.get(name)
+                    if entry is None or seen.get(name) == _version(entry):
+                        continue
+                    seen[name] = _version(entry)
+                    doc = self._read_doc(f"{sdir}/{name}")
+                    if doc is None or doc.get("step") != step:
+                        continue
+                    if doc.get("attempt") != attempt:
+                        if not name.endswith(".failed.json"):
+                            others[rank] = str(doc.get("attempt"))
+                    elif name.endswith(".failed.json"):
+                        raise CheckpointError(
+                            f"{sdir}/{shard_name(rank, world_size)}",
+                            f"rank {rank} failed to write its shard: "
+                            f"{doc.get('error', 'unknown error')}; not committing",
+                        )
+                    elif (got := _receipt(doc)) is not None:
                         receipts[rank] = got
+                        others.pop(rank, None)
+                        arrived = True
+                        break  # its failure marker, if any, is of an earlier try
             if len(receipts) == world_size:
                 break
             missing = sorted(set(range(world_size)) - set(receipts))
-            for rank in missing:
-                why = self._read_failure(step, rank, world_size, attempt)
-                if why is not None:
-                    raise CheckpointError(
-                        f"{sdir}/{shard_name(rank, world_size)}",
-                        f"rank {rank} failed to write its shard: {why}; not committing",
-                    )
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
+                stale = "".join(f"; rank {r}'s receipt there is of attempt {a!r}"
+                                for r, a in sorted(others.items()))
                 raise CheckpointError(
                     sdir,
                     f"commit timed out after {timeout_s:g}s waiting for the shards of ranks "
-                    f"{missing} (attempt {attempt!r}); a rank died or persists slower than "
-                    "the commit timeout: raise it or check that rank",
+                    f"{missing} (attempt {attempt!r}){stale}; a rank died or persists slower "
+                    "than the commit timeout: raise it or check that rank",
                 )
             if cancelled is not None and cancelled():
                 raise CheckpointError(sdir, f"commit cancelled while waiting for ranks {missing}")
-            time.sleep(poll_s)
+            delay = poll_s[0] if arrived else delay
+            time.sleep(min(delay, deadline - now))
+            delay = min(2 * delay, poll_s[1])
+        if times is not None:
+            times.commit_wait_s += time.monotonic() - started
         for rec in receipts.values():
             for info in (rec.shard, *rec.files):
-                size = self.fs.size(f"{sdir}/{info.file}")
+                size = _listed_size(listing.get(info.file) or {})
+                if size is None:  # not listed, or listed without its size
+                    try:
+                        size = int(self.fs.size(f"{sdir}/{info.file}"))
+                    except FileNotFoundError:
+                        size = None
                 if size != info.bytes:
                     raise CheckpointError(
                         f"{sdir}/{info.file}",
                         f"file has {size} bytes but its receipt says {info.bytes}; not "
-                        "committing",
+                        "committing" if size is not None else
+                        "file named by its rank's receipt is missing; not committing",
                     )
         if cancelled is not None and cancelled():  # its generation ended: never commit now
             raise CheckpointError(sdir, "commit cancelled: its generation ended")
@@ -427,7 +542,7 @@ class CheckpointStore:
                                         "not committing")
         files: list[ShardInfo] = [f for r in sorted(receipts) for f in receipts[r].files]
         if sharded:
-            files += self._write_dcp_metadata(step, receipts, attempt)
+            files += self._write_dcp_metadata(step, receipts, attempt, times)
         body: dict[str, Any] = {
             "step": step,
             "world_size": world_size,
@@ -435,17 +550,14 @@ class CheckpointStore:
             "created_unix": time.time(),
             "job": dict(job or {}),
             "metadata": dict(metadata or {}),
-            "shards": [
-                {"rank": s.rank, "file": s.file, "bytes": s.bytes, "sha256": s.sha256}
-                for s in sorted((r.shard for r in receipts.values()), key=lambda s: s.rank)
-            ],
+            "shards": [s.entry() for s in sorted((r.shard for r in receipts.values()),
+                                                 key=lambda s: s.rank)],
         }
         version = FULL_COPY_VERSION
         if sharded:
             version = FORMAT_VERSION
             body["layout"] = "dcp"
-            body["files"] = [{"rank": f.rank, "file": f.file, "bytes": f.bytes,
-                              "sha256": f.sha256} for f in files]
+            body["files"] = [f.entry() for f in files]
         try:
             digest = hashlib.sha256(_canonical(body)).hexdigest()
         except TypeError as e:
@@ -453,11 +565,11 @@ class CheckpointStore:
                 f"job spec and metadata must be JSON-serializable for the manifest: {e}"
             ) from e
         doc = {"format": FORMAT_NAME, "version": version, "body": body, "sha256": digest}
-        self._write_json(f"{sdir}/{MANIFEST}", doc)
+        self._write_json(f"{sdir}/{MANIFEST}", doc, times)
         return self._manifest_from(body, f"{sdir}/{MANIFEST}", version)
 
     def _write_dcp_metadata(self, step: int, receipts: Mapping[int, Receipt],
-                            attempt: str) -> list[ShardInfo]:
+                            attempt: str, times: PersistTimes | None = None) -> list[ShardInfo]:
         """The index (JSON) and DCP's ``.metadata`` (pickle) from the ranks' receipts."""
         sdir = self.step_dir(step)
 
@@ -469,40 +581,9 @@ class CheckpointStore:
         out: list[ShardInfo] = []
         for name, data in ((INDEX_FILE, json.dumps(index, sort_keys=True).encode()),
                            (METADATA_FILE, pickle.dumps(meta))):
-            def write(f: BinaryIO, data: bytes = data) -> None:
-                f.write(data)
-
-            self._write_atomic(f"{sdir}/{name}", write)
-            out.append(ShardInfo(rank=-1, file=name, bytes=len(data),
-                                 sha256=hashlib.sha256(data).hexdigest()))
+            n, checksum = self._write_bytes(f"{sdir}/{name}", data, times)
+            out.append(ShardInfo(rank=-1, file=name, bytes=n, checksum=checksum))
         return out
-
-    def _read_receipt(
-        self, step: int, rank: int, world_size: int, attempt: str
-    ) -> Receipt | None:
-        path = f"{self.step_dir(step)}/{shard_name(rank, world_size)[:-3]}.json"
-        try:
-            with self.fs.open(path, "rb") as f:
-                doc = json.loads(f.read())
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError):
-            return None  # being replaced or garbage from a crash: the rank will rewrite it
-        if not isinstance(doc, dict) or doc.get("attempt") != attempt or doc.get("step") != step:
-            return None
-        try:
-            shard = ShardInfo(
-                rank=int(doc["rank"]),
-                file=str(doc["file"]),
-                bytes=int(doc["bytes"]),
-                sha256=str(doc["sha256"]),
-            )
-            files = tuple(ShardInfo(rank=shard.rank, file=str(f["file"]), bytes=int(f["bytes"]),
-                                    sha256=str(f["sha256"])) for f in doc.get("files", ()))
-        except (KeyError, TypeError, ValueError):
-            return None
-        dcp = doc.get("dcp")
-        return Receipt(shard=shard, files=files, dcp=dcp if isinstance(dcp, dict) else None)
 
     # -- reading ------------------------------------------------------------------------------
     def read_manifest(self, step: int) -> Manifest:
@@ -549,9 +630,7 @@ class CheckpointStore:
     def _manifest_from(body: Mapping[str, Any], path: str,
                        version: int = FULL_COPY_VERSION) -> Manifest:
         def infos(entries: Any) -> tuple[ShardInfo, ...]:
-            return tuple(ShardInfo(rank=int(s["rank"]), file=str(s["file"]),
-                                   bytes=int(s["bytes"]), sha256=str(s["sha256"]))
-                         for s in entries)
+            return tuple(ShardInfo.of_entry(s) for s in entries)
 
         shards = infos(body["shards"])
         files = infos(body.get("files", ()))
@@ -625,65 +704,62 @@ class CheckpointStore:
                 out.append(self.read_manifest(s))
         return out
 
-    def _verify_file(self, manifest: Manifest, info: ShardInfo) -> str:
+    def _open_checked(self, manifest: Manifest, info: ShardInfo) -> tuple[Any, StreamCheck]:
+        """An open file of the checkpoint and what verifies it as it is read."""
         path = f"{self.step_dir(manifest.step)}/{info.file}"
         try:
-            with self.fs.open(path, "rb") as f:
-                n, sha = sha256_of(f)
+            f = self.fs.open(path, "rb")
         except FileNotFoundError:
-            raise CheckpointError(path, "shard listed in the manifest is missing") from None
-        if n != info.bytes:
-            raise CheckpointError(
-                path, f"shard has {n} bytes, the manifest says {info.bytes}: truncated or replaced"
-            )
-        if sha != info.sha256:
-            raise CheckpointError(
-                path, "shard sha256 does not match the manifest: the file is corrupt"
-            )
-        return path
+            raise CheckpointError(path, "file listed in the manifest is missing") from None
+        return f, StreamCheck(path, info.bytes, info.checksum)
+
+    def _read_checked(self, manifest: Manifest, info: ShardInfo) -> bytes:
+        """A whole file of the checkpoint, read once and verified as it is read."""
+        f, check = self._open_checked(manifest, info)
+        with f:
+            return read_verified(f, check.path, info.bytes, info.checksum)
 
     def verify(self, step: int, *, ranks: list[int] | None = None) -> Manifest:
-        """Check the manifest and the size and sha256 of the shards of ``ranks`` (all if None)."""
+        """Check the manifest and the size and checksum of the shards of ``ranks`` (all if
+        None, and then the DCP files too): one read of each file."""
         manifest = self.read_manifest(step)
-        for info in manifest.shards:
-            if ranks is None or info.rank in ranks:
-                self._verify_file(manifest, info)
-        if ranks is None:
-            for info in manifest.files:
-                self._verify_file(manifest, info)
+        infos = [i for i in manifest.shards if ranks is None or i.rank in ranks]
+        for info in infos + (list(manifest.files) if ranks is None else []):
+            f, check = self._open_checked(manifest, info)
+            with f:
+                check.finish(f)
         return manifest
 
     def dcp_reader(self, manifest: Manifest) -> IndexReader:
         """A DCP ``StorageReader`` over a format-2 checkpoint: its index verified and read
-        now, each data file verified before the first read from it."""
+        now; each data file verified as it is read (``CheckpointError`` naming the file,
+        before the load returns, when its size or checksum is wrong)."""
         if not manifest.sharded:
             raise CheckpointError(manifest.path, f"format {manifest.version} has no DCP files "
                                                  "(each rank's shard holds a full copy)")
         sdir = self.step_dir(manifest.step)
         files = {f.file: f for f in manifest.files}
-        path = self._verify_file(manifest, files[INDEX_FILE])
+        raw = self._read_checked(manifest, files[INDEX_FILE])
+        path = f"{sdir}/{INDEX_FILE}"
         try:
-            with self.fs.open(path, "rb") as f:
-                index = json.loads(f.read())
+            index = json.loads(raw)
         except ValueError as e:
             raise CheckpointError(path, f"index is not valid JSON ({e})") from None
         if not isinstance(index, dict) or not isinstance(index.get("items"), dict):
             raise CheckpointError(path, "not an nbtrain DCP index")
 
-        def open_file(name: str) -> Any:
-            return self.fs.open(f"{sdir}/{name}", "rb")
-
-        def verify(name: str) -> None:
+        def open_file(name: str) -> tuple[Any, StreamCheck]:
             info = files.get(name)
             if info is None:
                 raise CheckpointError(f"{sdir}/{name}", "the index names a file the manifest "
                                                         "does not list")
-            self._verify_file(manifest, info)
+            return self._open_checked(manifest, info)
 
-        return IndexReader(index, open_file, verify, checkpoint_id=self.step_url(manifest.step))
+        return IndexReader(index, open_file, checkpoint_id=self.step_url(manifest.step))
 
     def load_shard(self, step: int, rank: int, *, manifest: Manifest | None = None) -> Any:
-        """This rank's payload at ``step``, checksum-verified, loaded with weights_only=True."""
+        """This rank's payload at ``step``, checksum-verified as it is read (one read of the
+        file, into memory), loaded with weights_only=True."""
         manifest = manifest or self.read_manifest(step)
         infos = [s for s in manifest.shards if s.rank == rank]
         if not infos:
@@ -692,15 +768,13 @@ class CheckpointStore:
                 f"no shard for rank {rank}: this checkpoint has world_size "
                 f"{manifest.world_size} (ranks 0..{manifest.world_size - 1})",
             )
-        path = self._verify_file(manifest, infos[0])
+        path = f"{self.step_dir(step)}/{infos[0].file}"
+        data = self._read_checked(manifest, infos[0])
         try:
-            if self._local:
-                obj = torch.load(path, map_location="cpu", weights_only=True)
-            else:
-                with self.fs.open(path, "rb") as f:
-                    obj = torch.load(f, map_location="cpu", weights_only=True)
-        except Exception as e:  # truncated zip, unknown class refused by weights_only, ...
+            obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:  # unknown class refused by weights_only, ...
             raise CheckpointError(path, f"cannot be loaded: {type(e).__name__}: {e}") from None
+        del data
         if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
             raise CheckpointError(path, "not an nbtrain checkpoint shard (foreign file)")
         if obj.get("version") != manifest.version:
@@ -761,22 +835,95 @@ class CheckpointStore:
         return None
 
     # -- housekeeping -------------------------------------------------------------------------
-    def cleanup_incomplete(self) -> list[str]:
-        """Remove step directories without a manifest that are older than the newest committed
-        checkpoint, and leftover temporary files in committed ones.
+    def discard(self, step: int, world_size: int, attempt: str, *, rank: int | None = None,
+                ended: bool = False) -> list[str]:
+        """Remove the files of ``attempt`` at ``step`` that no commit will use; the paths
+        removed. Best effort: never raises (cleaning up must not hide the failure that caused
+        it), and removes nothing once the step has a manifest.
 
-        Newer directories without a manifest may still be being written by a live writer, so
-        they stay. Directories with an unreadable manifest (corrupt, foreign, or written by
-        another format version) stay too: they are not ours to delete; ``restore_latest``
-        reports them.
+        rank: that rank's own files, after its write failed (by name, its temporaries too;
+            its failure marker stays for the committer). None: the committer's, after its
+            commit failed: the files that receipts of ``attempt`` name, the receipts, the
+            attempt's failure markers, the DCP index and metadata; a rank still writing
+            keeps its files, which the next commit or the job's next start removes.
+        ended: the attempt's generation has ended (its writer is fenced): another generation
+            may write this step under the same names now, so only files that a receipt of
+            ``attempt`` names, at the size it says, go (and failure markers of ``attempt``).
+        """
+        try:
+            return self._discard(step, world_size, attempt, rank, ended)
+        except Exception:
+            return []
+
+    def _discard(self, step: int, world_size: int, attempt: str, rank: int | None,
+                 ended: bool) -> list[str]:
+        sdir = self.step_dir(step)
+        listing = self._listing(sdir)
+        if not listing or MANIFEST in listing:
+            return []
+        doomed: list[str] = []
+        ranks = [rank] if rank is not None else sorted(
+            {r for r in map(_owner_rank, listing) if r is not None and r < world_size})
+        for r in ranks:
+            base = shard_name(r, world_size)[:-3]
+            doc = self._read_doc(f"{sdir}/{base}.json") if f"{base}.json" in listing else None
+            rec = (_receipt(doc) if doc is not None and doc.get("attempt") == attempt
+                   and doc.get("step") == step else None)
+            if rec is not None:
+                doomed.append(f"{base}.json")
+                doomed += [i.file for i in (*rec.files, rec.shard) if i.file in listing and (
+                    not ended or _listed_size(listing[i.file]) == i.bytes)]
+            elif rank is not None and not ended:  # its write failed before its receipt
+                own = (data_file(r), shard_name(r, world_size))
+                doomed += [n for n in listing if n in own or n.startswith(
+                    tuple(f"{o}{_TMP}" for o in (*own, f"{base}.json")))]
+            marker = f"{base}.failed.json"
+            if marker in listing and (rank is None or ended):
+                doc = self._read_doc(f"{sdir}/{marker}")
+                if doc is not None and doc.get("attempt") == attempt:
+                    doomed.append(marker)
+        if rank is None and not ended:
+            doomed += [n for n in listing if n.split(_TMP)[0] in (INDEX_FILE, METADATA_FILE,
+                                                                    MANIFEST)]
+        removed = []
+        for name in doomed:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(f"{sdir}/{name}")
+                removed.append(f"{sdir}/{name}")
+        if removed and not self._listing(sdir):
+            with contextlib.suppress(Exception):
+                self.fs.rmdir(sdir)
+        return removed
+
+    def cleanup_incomplete(self, *, start_of: str | None = None) -> list[str]:
+        """Remove what no commit will use: step directories without a manifest that are older
+        than the newest committed checkpoint, and leftover temporary files in committed ones;
+        with ``start_of``, every step directory without a manifest and the probe files of
+        other attempts too. Returns the paths removed.
+
+        After a commit (the default) a newer directory without a manifest may be the next
+        save of the same generation, in progress: it stays. ``start_of=attempt`` is for the
+        start of a generation, while none of its ranks saves (they wait in a collective): no
+        writer of the job that could still commit is live then (one of an ended generation
+        may still be running, but it is fenced), so every uncommitted directory goes, the
+        leftovers of saves that never committed. Directories with an unreadable manifest
+        (corrupt, foreign, or written by another format version) stay: they are not ours to
+        delete; ``restore_latest`` reports them.
         """
         steps = self._steps_on_disk()
         newest = next((s for s in steps if self.is_committed(s)), None)
         removed: list[str] = []
-        if newest is None:
+        if start_of is not None:
+            mine = f".probe-{start_of}-r"
+            for name in self._listing(self.root):
+                if name.startswith(".probe-") and not name.startswith(mine):
+                    with contextlib.suppress(FileNotFoundError):
+                        self.fs.rm(f"{self.root}/{name}")
+                        removed.append(f"{self.root}/{name}")
+        elif newest is None:
             return removed
         for s in steps:
-            if s > newest:
+            if start_of is None and newest is not None and s > newest:
                 continue
             sdir = self.step_dir(s)
             if not self.fs.exists(f"{sdir}/{MANIFEST}"):
@@ -784,11 +931,11 @@ class CheckpointStore:
                     self.fs.rm(sdir, recursive=True)
                     removed.append(sdir)
             elif self.is_committed(s):
-                for name in self.fs.ls(sdir, detail=False):
-                    if _TMP in posixpath.basename(str(name)):
+                for name in self._listing(sdir):
+                    if _TMP in name:
                         with contextlib.suppress(FileNotFoundError):
-                            self.fs.rm(str(name))
-                            removed.append(str(name))
+                            self.fs.rm(f"{sdir}/{name}")
+                            removed.append(f"{sdir}/{name}")
         return removed
 
     def prune(self) -> list[int]:
@@ -803,6 +950,44 @@ class CheckpointStore:
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm(self.step_dir(s), recursive=True)
         return doomed
+
+
+def _add_times(times: PersistTimes | None, hw: HashingWriter) -> None:
+    if times is not None:
+        times.checksum_s += hw.checksum_s
+        times.write_s += hw.write_s
+
+
+def _receipt(doc: Mapping[str, Any]) -> Receipt | None:
+    """What a receipt of the right step and attempt says; None if a field is bad."""
+    try:
+        shard = ShardInfo.of_entry(doc)
+        files = tuple(ShardInfo.of_entry(f, rank=shard.rank) for f in doc.get("files", ()))
+    except (KeyError, TypeError, ValueError):
+        return None
+    dcp = doc.get("dcp")
+    return Receipt(shard=shard, files=files, dcp=dcp if isinstance(dcp, dict) else None)
+
+
+_RANK_FILE = re.compile(r"^rank-(\d{5,})-of-\d{5,}\.")
+
+
+def _owner_rank(name: str) -> int | None:
+    """The rank whose receipt or failure marker ``name`` is (None for other files)."""
+    m = _RANK_FILE.match(name)
+    return int(m.group(1)) if m is not None and name.endswith(".json") else None
+
+
+def _listed_size(entry: Mapping[str, Any]) -> int | None:
+    size = entry.get("size")
+    return int(size) if isinstance(size, (int, float)) else None
+
+
+def _version(entry: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What tells one version of a listed file from another: its size and whatever time or
+    tag the store lists."""
+    return tuple(entry.get(k) for k in ("size", "mtime", "created", "LastModified", "ETag",
+                                        "etag", "last_modified", "ino"))
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
