@@ -472,9 +472,9 @@ class JobHandle:
             return None
         deadline = time.monotonic() + timeout
         while True:
-            for change in self.knobs.history:
-                if change.seq == seq:
-                    return change.step
+            step = self._knob_applied(seq)
+            if step is not None:
+                return step
             if self.done:
                 raise RuntimeError(f"job {self.name} ended ({self.status.value}) before its "
                                    f"ranks applied the knob change")
@@ -483,6 +483,19 @@ class JobHandle:
                                    f"{values} within {timeout} s ({self.reason}); it stays "
                                    "pending and applies when they next agree")
             time.sleep(0.01)
+
+    def _knob_applied(self, seq: int) -> int | None:
+        """The step knob change ``seq`` was applied at (None: not yet), newest events first
+        (back to the change's own ``knob_set``)."""
+        for event in reversed(self.events):
+            kind = event.get("kind")
+            if kind == "knob_applied":
+                for change in event.get("changes") or ():
+                    if change.get("seq") == seq:
+                        return int(event["step"])
+            elif kind == "knob_set" and (event.get("change") or {}).get("seq") == seq:
+                return None
+        return None
 
     def tune_stragglers(self, **changes: Any) -> None:
         """Change straggler-detector thresholds while the job runs (fields of
