@@ -219,3 +219,17 @@ def test_replayed_submission_launches_with_the_history() -> None:
     launch = h.launches("b")[-1]
     assert [c["seq"] for c in launch.knobs["history"]] == [1, 2]
     assert h.m.status("b").knob_seq == 2
+
+
+def test_views_say_who_changed_what_and_when() -> None:
+    from nbtrain.ui.eventlog import EventLog
+
+    log = EventLog()
+    asked = log.add({"kind": "knob_set", "time": 1.0, "change": KnobChange(
+        seq=1, values={"lr": 0.2}, who="ann", ramp=10, shape="cosine").to_dict()})
+    assert asked is not None and "knob change by ann: lr=0.2 over 10 steps (cosine)" in asked.text
+    done = log.add({"kind": "knob_applied", "time": 1.0, "step": 37,
+                    "changes": [change(1, 37, lr=0.2).to_dict()], "values": {}})
+    assert done is not None and done.text.startswith("knobs applied at step 37 on every rank")
+    # Only the optimizer's built-ins: nothing to say.
+    assert log.add({"kind": "knobs", "time": 1.0, "specs": SPECS[:1], "values": {}}) is None
