@@ -94,6 +94,9 @@ def test_book_refuses_before_declarations_and_bounds_what_it_holds() -> None:
     book = KnobBook()
     with pytest.raises(KnobError, match="has not declared its knobs yet"):
         book.request({"lr": 0.2})
+    book.declare([])
+    with pytest.raises(KnobError, match="has no knobs: declare them"):
+        book.request({"lr": 0.2})
     book.declare([*SPECS, {"name": "bad", "default": "x"}, {"nonsense": 1}])
     assert sorted(book.specs) == ["aux_weight", "lr"]  # malformed declarations dropped
     for i in range(PENDING_MAX):
@@ -204,7 +207,13 @@ def test_machine_refuses_a_change_on_an_ended_job_and_restores_carried_knobs() -
     out = _set(h, "a", values={"lr": 0.2})
     assert "has ended (SUCCEEDED): its knobs can no longer change" in next(
         c.reason for c in out if isinstance(c, Rejected))
-    # A restarted controller continues the knobs from what it journaled.
+    # A restarted controller continues the knobs from what it journaled (as JSON).
+    import json
+
+    from nbtrain.engine.controller import _carried_from
+    from nbtrain.engine.wire import plain
+
+    carried = _carried_from(json.loads(json.dumps(plain(carried))))
     m = JobMachine()
     spec = JobSpec(job_id="a", name="job-a", world_size=2, steps=1000)
     m.handle(Submitted(1.0, 1.0, JobSubmission(spec=spec, policy=POLICY, carried=carried)))

@@ -136,3 +136,24 @@ def test_refusals_name_the_problem(free_cluster: nbtrain.Cluster) -> None:
     job.wait(60)
     with pytest.raises(ValueError, match=r"has ended \(\w+\): its knobs can no longer change"):
         job.set(lr=0.01)
+
+
+def test_a_ramp_continues_across_a_resize(free_cluster: nbtrain.Cluster) -> None:
+    job = free_cluster.submit(recipes.steered_train, world_size=2, min_size=1, max_size=2,
+                              steps=300, config={"step_sleep": 0.01}, checkpoint=50,
+                              name="steered-resize")
+    _declared(job)
+    started = job.set(aux_weight=0.9, ramp=150)
+    assert started is not None
+    job.resize(1)
+    job.wait_for_size(1, timeout=120)
+    assert job.wait(180) is JobState.SUCCEEDED, job.reason
+    m = job.metrics.dropna(subset=["aux"])
+    assert m[m["step"] > started + 150]["aux"].eq(0.9).all()
+    one = m[m["generation"] == m["generation"].max()]
+    assert set(one["rank"]) == {0} and one["step"].min() < started + 150  # mid-ramp
+    state = job.knobs
+    defaults = {n: s.default for n, s in state.declared.items()}
+    for _, row in m.iterrows():  # every step of every rank, at both sizes
+        want = values_at(defaults, state.history, int(row["step"]) - 1)
+        assert row["aux"] == want["aux_weight"], (row["step"], row["aux"], want)

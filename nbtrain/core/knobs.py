@@ -228,6 +228,8 @@ class KnobBook:
     pending: list[KnobChange] = field(default_factory=list)
     history: list[KnobChange] = field(default_factory=list)
     seq: int = 0
+    #: Rank 0 has reported its declarations (possibly none).
+    declared: bool = False
 
     @classmethod
     def replaying(cls, history: Iterable[Mapping[str, Any]]) -> KnobBook:
@@ -252,10 +254,16 @@ class KnobBook:
                 continue
             out[spec.name] = spec
         self.specs = out
+        self.declared = True
 
     def request(self, values: Mapping[str, Any], *, ramp: int = 0, shape: str = "linear",
                 who: str = "", wall: float = 0.0, job: str = "the job") -> KnobChange:
         """A new pending change, or :class:`KnobError` with the values and the fix."""
+        if not self.specs and self.declared:
+            raise KnobError(f"{job} has no knobs: declare them in the training function "
+                            "(ctx.knobs.declare('name', default, min=..., max=...)), or track "
+                            "an optimizer (ctx.track(optimizer=...)) for lr, lr_factor, "
+                            "weight_decay and grad_clip")
         if not self.specs:
             raise KnobError(f"{job} has not declared its knobs yet: a job declares them when "
                             "its ranks start training; wait until job.knobs lists them")
@@ -296,7 +304,8 @@ class KnobBook:
         """What ranks of a new generation (and a restarted controller) get."""
         return {"specs": [s.to_dict() for s in self.specs.values()],
                 "pending": [c.to_dict() for c in self.pending],
-                "history": [c.to_dict() for c in self.history], "seq": self.seq}
+                "history": [c.to_dict() for c in self.history], "seq": self.seq,
+                "declared": self.declared}
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> KnobBook:
@@ -304,6 +313,7 @@ class KnobBook:
                    history=[KnobChange.from_dict(c) for c in d.get("history", ())],
                    seq=int(d.get("seq", 0)))
         book.declare(d.get("specs", ()))
+        book.declared = bool(d.get("declared", book.specs))
         return book
 
 
