@@ -157,3 +157,35 @@ def test_a_ramp_continues_across_a_resize(free_cluster: nbtrain.Cluster) -> None
     for _, row in m.iterrows():  # every step of every rank, at both sizes
         want = values_at(defaults, state.history, int(row["step"]) - 1)
         assert row["aux"] == want["aux_weight"], (row["step"], row["aux"], want)
+
+
+def test_recovery_before_a_change_applies_it_again_at_its_step(
+        free_cluster: nbtrain.Cluster, tmp_path: Path) -> None:
+    """No checkpoint after the change: the recovered generation starts earlier and applies
+    the change again at its recorded step; the run ends where its replay does."""
+    live_out, replay_out = tmp_path / "live", tmp_path / "replay"
+    live_out.mkdir()
+    replay_out.mkdir()
+    job = free_cluster.submit(recipes.steered_train, world_size=2, steps=150,
+                              config={"step_sleep": 0.01, "out_dir": str(live_out)},
+                              checkpoint=None, max_restarts=2, name="steered-rewind")
+    _declared(job)
+    applied = job.set(lr=0.02, aux_weight=0.3)
+    assert applied is not None and applied < 130
+    job.inject("kill", rank=1, step=applied + 10)
+    assert job.wait(180) is JobState.SUCCEEDED, job.reason
+    assert job.restarts == 1
+    resumed = next(e for e in job.events if e["kind"] == "recovery")["resumed_step"]
+    assert resumed is not None and resumed < applied
+    last = job.metrics[job.metrics["generation"] == job.metrics["generation"].max()]
+    assert last["step"].min() <= applied  # the new generation trained the step again
+    _check_every_step(job)
+    assert [c.step for c in job.knobs.history] == [applied]
+    again = free_cluster.submit(recipes.steered_train, world_size=2, steps=150,
+                                config={"step_sleep": 0.0, "out_dir": str(replay_out)},
+                                checkpoint=None, name="steered-rewind-replay", replay=job)
+    assert again.wait(180) is JobState.SUCCEEDED, again.reason
+    for rank in (0, 1):
+        live, rerun = _params(live_out, rank), _params(replay_out, rank)
+        for name, value in live.items():
+            torch.testing.assert_close(rerun[name], value, rtol=0, atol=1e-12)
