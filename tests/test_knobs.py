@@ -242,3 +242,43 @@ def test_views_say_who_changed_what_and_when() -> None:
     assert done is not None and done.text.startswith("knobs applied at step 37 on every rank")
     # Only the optimizer's built-ins: nothing to say.
     assert log.add({"kind": "knobs", "time": 1.0, "specs": SPECS[:1], "values": {}}) is None
+
+
+def test_rank_builtins_act_on_every_param_group() -> None:
+    """The built-ins on a real optimizer (one process): lr absolute, lr_factor relative to
+    each group's own LR, weight_decay, grad_clip before the step; untouched ones left alone."""
+    import torch
+
+    from nbtrain.runtime.knobs import RankKnobs
+
+    model = torch.nn.Linear(4, 1).double()
+    opt = torch.optim.SGD([{"params": [model.weight], "lr": 0.1},
+                           {"params": [model.bias], "lr": 0.2}], weight_decay=0.01)
+    knobs = RankKnobs()
+    knobs.declare("lr", max=1.0)
+    with pytest.raises(KnobError, match="needs a default"):
+        knobs.declare("aux")
+    knobs.bind({"optimizer": opt})
+    knobs.start(0, None)
+    assert knobs.specs["lr"].default == 0.1 and knobs.specs["lr"].max == 1.0
+    knobs.apply([{"seq": 1, "values": {"lr_factor": 0.5}}], 3)
+    assert [g["lr"] for g in opt.param_groups] == [0.05, 0.1]  # ratios kept
+    knobs.apply([{"seq": 2, "values": {"lr": 0.4, "weight_decay": 0.0}}], 5)
+    assert [g["lr"] for g in opt.param_groups] == [0.2, 0.2]  # 0.4 x the factor 0.5
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.0, 0.0]
+    knobs.apply([{"seq": 3, "values": {"grad_clip": 1.0}}], 6)
+    model.weight.grad = torch.full_like(model.weight, 100.0)
+    model.bias.grad = torch.full_like(model.bias, 100.0)
+    before = model.weight.detach().clone()
+    opt.step()
+    grads = torch.cat([model.weight.grad.flatten(), model.bias.grad.flatten()])
+    assert float(grads.norm()) == pytest.approx(1.0)
+    assert not torch.equal(before, model.weight)
+    meta = knobs.checkpoint_meta()
+    assert [c["step"] for c in meta["history"]] == [3, 5, 6] and meta["values"]["lr"] == 0.4
+    # A fresh rank restored at step 5 (a resume= checkpoint, no controller history): the
+    # values in force there, not the later grad_clip.
+    fresh = RankKnobs()
+    fresh.bind({"optimizer": torch.optim.SGD(model.parameters(), lr=0.1)})
+    fresh.start(5, meta)
+    assert fresh.values["lr"] == 0.4 and fresh.values["grad_clip"] == 0.0
