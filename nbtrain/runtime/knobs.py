@@ -46,10 +46,10 @@ class RankKnobs:
     def declare(self, name: str, default: float | None = None, *, min: float | None = None,
                 max: float | None = None) -> float:
         """Declare a knob the job's owner may change live (``job.set(name=value)``) within
-        ``[min, max]``; returns its value now. A built-in (``lr``, ``lr_factor``,
+        ``[min, max]``; returns its default. A built-in (``lr``, ``lr_factor``,
         ``weight_decay``, ``grad_clip``) may be declared to bound it: its default then comes
-        from the tracked optimizer. Declare before the training loop starts, the same on
-        every rank."""
+        from the tracked optimizer when the loop starts (NaN until then). Declare before the
+        training loop starts, the same on every rank."""
         if self._started:
             raise RuntimeError(f"ctx.knobs.declare({name!r}, ...) after the training loop "
                                "started: declare knobs in setup() or before ctx.batches()")
