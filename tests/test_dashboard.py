@@ -678,3 +678,24 @@ def test_loss_covers_the_whole_run_in_bounded_memory_and_keeps_the_breaks() -> N
     assert steps[0] == 1 and steps[-1] > 5900  # the start of the run is still there
     [gap] = [i for i, v in enumerate(values) if math.isnan(v)]
     assert steps[gap] == 2990 and all(g == 0 for g in list(data["generation"])[:gap])
+
+
+def test_views_mark_knob_changes_with_their_author(comms: list[RecordingComm]) -> None:
+    """The widget and the served page draw a mark where a live change took effect, saying
+    what changed and who changed it."""
+    events = [{"kind": "knob_set", "time": 1.7e9, "change": {
+                  "seq": 1, "values": {"lr": 0.01}, "who": "ann", "ramp": 0}},
+              {"kind": "knob_applied", "time": 1.7e9 + 1, "rank": 0, "gen": 0, "step": 41,
+               "values": {"lr": 0.01}, "changes": [
+                   {"seq": 1, "values": {"lr": 0.01}, "who": "ann", "ramp": 0},
+                   {"seq": 2, "values": {"aux_weight": 0.5}, "who": "bob", "ramp": 20}]}]
+    job = offline_handle(2)
+    job.follow_update({"events": events, "status": {"state": "SUCCEEDED", "reason": "done"}})
+    dash = JobDashboard(job, start=False)
+    dash.refresh()
+    served = JobPage(FixedFeed(events))
+    served.refresh()
+    for view in (dash, served):
+        assert view.knob_marks.marks == [
+            (42, "lr=0.01 by ann; aux_weight=0.5 over 20 steps by bob")]
+    assert "knob change by ann: lr=0.01" in served.alerts.text

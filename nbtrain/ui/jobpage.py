@@ -25,6 +25,7 @@ from nbtrain.ui.panels import alerts_html, checkpoint_html, header_html
 from nbtrain.ui.plots import (
     PHASES,
     GenerationMarks,
+    KnobMarks,
     MetricPlot,
     PhaseSplitPlot,
     StepTimePlot,
@@ -78,6 +79,7 @@ class JobPage:
         self.rate_plot = ThroughputPlot(width=340)
         self.marks = GenerationMarks([self.step_plot.figure, self.loss_plot.figure,
                                       self.rate_plot.figure])
+        self.knob_marks = KnobMarks([self.loss_plot.figure, self.rate_plot.figure])
         self.header = Div(text="", name="nbtrain-header", sizing_mode="stretch_width")
         self.message = Div(text="", name="nbtrain-message")
         self.checkpoint = Div(text="", width=340, name="nbtrain-checkpoint-panel")
@@ -152,6 +154,7 @@ class JobPage:
         events, self.events_at = self.feed.events_since(self.events_at)
         for event in events:
             self.log.add(event)
+        self.knob_marks.add(events)
         if rows:
             self.rows_drawn += feed_plots(rows, (self.step_plot, self.split_plot, self.loss_plot,
                                                  self.rate_plot), self.marks,
