@@ -282,3 +282,13 @@ def test_rank_builtins_act_on_every_param_group() -> None:
     fresh.bind({"optimizer": torch.optim.SGD(model.parameters(), lr=0.1)})
     fresh.start(5, meta)
     assert fresh.values["lr"] == 0.4 and fresh.values["grad_clip"] == 0.0
+
+
+def test_report_lists_the_changes() -> None:
+    from nbtrain.ui.report import knob_table
+
+    assert knob_table([]) == ""
+    text = knob_table([{"kind": "knob_applied", "step": 12, "changes": [
+        KnobChange(seq=1, values={"lr": 0.01}, who="ann", ramp=5, step=12).to_dict()]}])
+    assert "<h2>Knob changes</h2>" in text and "<td>12</td>" in text
+    assert "lr=0.01" in text and "5 steps (linear)" in text and "ann" in text
