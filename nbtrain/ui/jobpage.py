@@ -21,6 +21,7 @@ from bokeh.models.widgets.markups import Div
 from bokeh.models.widgets.sliders import Slider
 
 from nbtrain.ui.eventlog import EventLog
+from nbtrain.ui.knobpanel import KnobPanel
 from nbtrain.ui.panels import alerts_html, checkpoint_html, header_html
 from nbtrain.ui.plots import (
     PHASES,
@@ -90,8 +91,11 @@ class JobPage:
         self.buttons: dict[str, Button] = {}
         self.slider: Slider | None = None
         controls = self._controls(status)
+        #: Number inputs and sliders per declared knob: for the owner (or operator) only.
+        self.knobs = KnobPanel(self._act) if feed.can_control else None
         self.layout = column(
-            self.header, controls, row(self.checkpoint, self.alerts), self.phase,
+            self.header, controls, *([self.knobs.layout] if self.knobs else []),
+            row(self.checkpoint, self.alerts), self.phase,
             row(self.step_plot.figure, self.split_plot.figure),
             row(self.loss_plot.figure, self.rate_plot.figure),
             name="nbtrain-job-page")
@@ -155,6 +159,8 @@ class JobPage:
         for event in events:
             self.log.add(event)
         self.knob_marks.add(events)
+        if self.knobs is not None:
+            self.knobs.update(events)
         if rows:
             self.rows_drawn += feed_plots(rows, (self.step_plot, self.split_plot, self.loss_plot,
                                                  self.rate_plot), self.marks,
