@@ -9,6 +9,8 @@
     %nbtrain dashboard alice-long         # its live page (no name: the class view)
     %nbtrain preempt|resume|checkpoint|stop alice-long
     %nbtrain status alice-long
+    %nbtrain set alice-long lr=3e-4 aux_weight=0.2 [--ramp 100 --shape cosine]
+    %nbtrain knobs alice-long             # values in force, who changed what at which step
 
 The magics only call the public API (``nbtrain.connect``, ``cluster.jobs``, ``cluster.job``,
 ``job.dashboard``...), so what they do is what the same lines of Python would do; the cluster
@@ -35,6 +37,9 @@ USAGE = """\
                                                        a job's live page; no JOB: class view
 %nbtrain status JOB                                    state, step, reason
 %nbtrain preempt|resume|checkpoint|stop JOB            steer a job (owner or operator)
+%nbtrain set JOB NAME=VALUE ... [--ramp N] [--shape linear|cosine]
+                                                       change live knobs (job.set)
+%nbtrain knobs JOB                                     a job's knobs and their history
 %nbtrain close                                         close the notebook's cluster connection
 JOB is a job's name (the newest of that name) or id. The cluster is the notebook's `cluster`
 variable (--cluster NAME for another)."""
@@ -53,6 +58,9 @@ def _parser() -> _Parser:
     parser = _Parser(prog="%nbtrain", add_help=False)
     parser.add_argument("command", nargs="?", default="help")
     parser.add_argument("target", nargs="?")
+    parser.add_argument("values", nargs="*")  # set: NAME=VALUE ...
+    parser.add_argument("--ramp", type=int, default=0)
+    parser.add_argument("--shape", default="linear")
     parser.add_argument("--workers", type=int, default=None)
     parser.add_argument("--as", dest="var", default=None)
     parser.add_argument("--display", default=None)
@@ -68,7 +76,8 @@ class NbtrainMagics:
         self.commands: dict[str, Callable[[argparse.Namespace], Any]] = {
             "help": self._help, "connect": self._connect, "jobs": self._jobs,
             "attach": self._attach, "dashboard": self._dashboard, "status": self._status,
-            "close": self._close, **{a: self._steer for a in ACTIONS}}
+            "close": self._close, "set": self._set, "knobs": self._knobs,
+            **{a: self._steer for a in ACTIONS}}
 
     def __call__(self, line: str) -> Any:
         try:
@@ -77,7 +86,8 @@ class NbtrainMagics:
             if command is None:
                 raise MagicError(f"unknown command {args.command!r}\n\n{USAGE}")
             return command(args)
-        except (MagicError, PermissionError, LookupError, ValueError, RuntimeError) as exc:
+        except (MagicError, PermissionError, LookupError, ValueError, RuntimeError,
+                TimeoutError) as exc:
             # what went wrong, with the fix, as one message (no traceback for misuse)
             message = exc.args[0] if isinstance(exc, LookupError) and exc.args else exc
             print(f"%nbtrain: {message}")
@@ -135,6 +145,27 @@ class NbtrainMagics:
         job = self._job(args)
         getattr(job, args.command)()
         print(f"{args.command} requested for {job.name} (now {job.status.value})")
+
+    def _set(self, args: argparse.Namespace) -> None:
+        values: dict[str, float] = {}
+        for item in args.values:
+            name, sep, text = item.partition("=")
+            try:
+                values[name] = float(text)
+            except ValueError:
+                sep = ""
+            if not sep or not name:
+                raise MagicError(f"`%nbtrain set JOB NAME=VALUE ...` takes numbers, got "
+                                 f"{item!r}")
+        if not values:
+            raise MagicError("`%nbtrain set JOB NAME=VALUE ...` needs at least one knob; "
+                             "`%nbtrain knobs JOB` lists them")
+        job = self._job(args)
+        step = job.set(ramp=args.ramp, shape=args.shape, **values)
+        print(f"{', '.join(args.values)} applied by every rank of {job.name} at step {step}")
+
+    def _knobs(self, args: argparse.Namespace) -> None:
+        print(repr(self._job(args).knobs))
 
     def _close(self, args: argparse.Namespace) -> None:
         cluster = self._cluster(args)

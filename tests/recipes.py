@@ -129,6 +129,29 @@ def regression_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> dict[s
     return {"steps": ctx.step, "final_loss": float(loss.item())}
 
 
+def steered_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> dict[str, Any]:
+    """``regression_train`` with a user knob: ``aux_weight`` weighs an L2 penalty on the
+    parameters. Every rank reports the LR and the knob it trained each step with."""
+    aux = ctx.knobs.declare("aux_weight", 0.1, min=0.0, max=1.0)
+    ctx.knobs.declare("lr", min=0.0, max=1.0)  # bounds for the built-in
+    model = ctx.prepare(make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=config.get("lr", 0.05), momentum=0.9)
+    ctx.track(model=model, optimizer=opt)
+    for x, y in ctx.batches(regression_data(), global_batch_size=config.get("batch", 32)):
+        if config.get("step_sleep"):
+            time.sleep(config["step_sleep"])
+        aux = ctx.knob("aux_weight")
+        penalty = sum((p * p).sum() for p in model.parameters())
+        loss = F.mse_loss(model(x), y) + aux * 1e-3 * penalty
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ctx.report(loss=loss.item(), lr=opt.param_groups[0]["lr"], aux=aux)
+    if config.get("out_dir"):
+        torch.save(model.module.state_dict(), Path(config["out_dir"]) / f"rank{ctx.rank}.pt")
+    return {"steps": ctx.step}
+
+
 def diverging_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> None:
     """Regression whose loss turns NaN from step ``config["nan_from"]`` on (the state too)."""
     model = ctx.prepare(make_model())

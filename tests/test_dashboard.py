@@ -678,3 +678,71 @@ def test_loss_covers_the_whole_run_in_bounded_memory_and_keeps_the_breaks() -> N
     assert steps[0] == 1 and steps[-1] > 5900  # the start of the run is still there
     [gap] = [i for i, v in enumerate(values) if math.isnan(v)]
     assert steps[gap] == 2990 and all(g == 0 for g in list(data["generation"])[:gap])
+
+
+def test_views_mark_knob_changes_with_their_author(comms: list[RecordingComm]) -> None:
+    """The widget and the served page draw a mark where a live change took effect, saying
+    what changed and who changed it."""
+    events = [{"kind": "knob_set", "time": 1.7e9, "change": {
+                  "seq": 1, "values": {"lr": 0.01}, "who": "ann", "ramp": 0}},
+              {"kind": "knob_applied", "time": 1.7e9 + 1, "rank": 0, "gen": 0, "step": 41,
+               "values": {"lr": 0.01}, "changes": [
+                   {"seq": 1, "values": {"lr": 0.01}, "who": "ann", "ramp": 0},
+                   {"seq": 2, "values": {"aux_weight": 0.5}, "who": "bob", "ramp": 20}]}]
+    job = offline_handle(2)
+    job.follow_update({"events": events, "status": {"state": "SUCCEEDED", "reason": "done"}})
+    dash = JobDashboard(job, start=False)
+    dash.refresh()
+    served = JobPage(FixedFeed(events))
+    served.refresh()
+    for view in (dash, served):
+        assert view.knob_marks.marks == [
+            (42, "lr=0.01 by ann; aux_weight=0.5 over 20 steps by bob")]
+    assert "knob change by ann: lr=0.01" in served.alerts.text
+
+
+@dataclass
+class SteerableFeed(FixedFeed):
+    """A fixed feed whose viewer owns the job and records what the page asks for."""
+
+    can_control: bool = True
+    asked: list[tuple[str, Any]] | None = None
+
+    def request(self, what: str, arg: Any = None) -> None:
+        if self.asked is None:
+            self.asked = []
+        self.asked.append((what, arg))
+        if arg and arg.get("values", {}).get("aux_weight", 0) > 1:
+            raise ValueError("cannot set the knobs of job j: aux_weight=2: 2 is above its max 1")
+
+    def status(self) -> Mapping[str, Any]:
+        return {"state": "RUNNING", "name": "j", "world_size": 2}
+
+
+def test_owner_page_has_an_input_per_knob_and_sends_changes() -> None:
+    specs = [{"name": "lr", "default": 0.1, "min": 0.0, "max": None, "builtin": True},
+             {"name": "aux_weight", "default": 0.1, "min": 0.0, "max": 1.0, "builtin": False}]
+    events: list[dict[str, Any]] = []
+    feed = SteerableFeed(events)
+    page = JobPage(feed)
+    assert page.knobs is not None and page.knobs.inputs == {}  # not declared yet
+    events.append({"kind": "knobs", "time": 1.7e9, "rank": 0, "gen": 0, "specs": specs,
+                   "values": {"lr": 0.1, "aux_weight": 0.1}, "step": 0, "history": []})
+    page.refresh()
+    assert sorted(page.knobs.inputs) == ["aux_weight", "lr"]
+    assert list(page.knobs.sliders) == ["aux_weight"]  # only a knob with both bounds
+    page.knobs.send()
+    assert feed.asked is None  # nothing changed: nothing sent
+    page.knobs.sliders["aux_weight"].value = 0.4  # the slider moves its number input
+    assert page.knobs.inputs["aux_weight"].value == 0.4
+    page.knobs.send()
+    assert feed.asked == [("set", {"values": {"aux_weight": 0.4}, "who": "job page"})]
+    page.knobs.inputs["aux_weight"].value = 2.0
+    page.knobs.send()
+    assert "aux_weight=2: 2 is above its max 1" in page.message.text
+    events.append({"kind": "knob_applied", "time": 1.7e9, "rank": 0, "gen": 0, "step": 9,
+                   "changes": [], "values": {"lr": 0.1, "aux_weight": 0.4}})
+    page.refresh()
+    assert "aux_weight=0.4" in page.knobs.note.text
+    # A read-only page has no knob inputs.
+    assert JobPage(FixedFeed(events)).knobs is None

@@ -38,6 +38,10 @@ def test_misuse_is_one_line_with_the_fix(shell: Any, capsys: pytest.CaptureFixtu
     assert out.startswith("%nbtrain: unknown command 'launch'")
     _, out = magic(shell, capsys, "connect --workers two")
     assert "invalid int value: 'two'" in out
+    _, out = magic(shell, capsys, "set somejob lr=fast")
+    assert "takes numbers, got 'lr=fast'" in out
+    _, out = magic(shell, capsys, "set somejob")
+    assert "needs at least one knob" in out
 
 
 def test_magics_list_attach_show_and_steer_a_job(shell: Any, free_cluster: nbtrain.Cluster,
@@ -72,6 +76,14 @@ def test_magics_list_attach_show_and_steer_a_job(shell: Any, free_cluster: nbtra
         magic(shell, capsys, "resume magic --cluster other")
         wait_for(lambda: job.status is JobState.RUNNING and job.generation == 1, 120,
                  "resumed")
+
+        # Live knobs of a Recipe's optimizer (declared by nbtrain for the tracked optimizer).
+        _, out = magic(shell, capsys, "set magic lr=0.01 --cluster other")
+        assert "lr=0.01 applied by every rank of magic at step" in out, out
+        _, out = magic(shell, capsys, "knobs magic --cluster other")
+        assert "lr=0.01" in out and "by " in out
+        _, out = magic(shell, capsys, "set magic momentum=0.5 --cluster other")
+        assert "%nbtrain: cannot set the knobs of job magic: 'momentum' is not a knob" in out
 
         _, out = magic(shell, capsys, "stop nosuchjob --cluster other")
         assert "%nbtrain: no job with id or name 'nosuchjob'" in out and "its jobs: " in out

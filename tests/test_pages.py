@@ -225,6 +225,44 @@ def _feed_across_forgetting(dask_scheduler: Any, job_id: str) -> list[dict[str, 
     return [before, dict(feed.status()), dict(ControllerFeed(ctl, job_id).status())]
 
 
+def _owner_page_sets(dask_scheduler: Any, job_id: str, lr: float) -> dict[str, Any]:
+    """On the scheduler: an owner's page (a ticket the controller issued) sets the job's
+    ``lr`` through its knob inputs; what the page then shows."""
+    from nbtrain.engine.assets import PLUGIN_NAME
+    from nbtrain.engine.pages import ControllerFeed
+    from nbtrain.engine.tickets import issue_ticket
+    from nbtrain.ui.jobpage import JobPage
+
+    ctl = dask_scheduler.plugins[PLUGIN_NAME]
+    served = JobPage(ControllerFeed(ctl, job_id, issue_ticket(ctl, job_id)))
+    assert served.knobs is not None
+    inputs = sorted(served.knobs.inputs)
+    served.knobs.inputs["lr"].value = lr
+    served.knobs.send()
+    return {"inputs": inputs, "message": served.message.text}
+
+
+def test_the_owners_page_sets_knobs(free_cluster: nbtrain.Cluster) -> None:
+    job = free_cluster.submit(Regression(step_sleep=0.01), world_size=2, steps=10**6,
+                              checkpoint=None, name="knob-page")
+    try:
+        wait_for(lambda: bool(job.knobs.declared) and job.step >= 3, 120, "its knobs")
+        shown = free_cluster.client.run_on_scheduler(_owner_page_sets, job_id=job.id,
+                                                     lr=0.01)
+        assert shown["inputs"] == ["grad_clip", "lr", "lr_factor", "weight_decay"]
+        assert "set requested" in shown["message"]
+        wait_for(lambda: bool(job.knobs.history), 60, "the change applied")
+        [change] = job.knobs.history
+        assert dict(change.values) == {"lr": 0.01} and change.who == "job page"
+        bad = free_cluster.client.run_on_scheduler(_owner_page_sets, job_id=job.id, lr=-1.0)
+        assert "lr=-1: -1 is below its min 0" in bad["message"]
+        with page(job.page().url.split("&ticket=")[0]) as doc:  # read-only: no inputs
+            assert "nbtrain-knob-lr" not in {m.name for m in doc.roots[0].references()}
+    finally:
+        job.stop()
+        job.wait(120)
+
+
 def test_a_page_never_invents_an_end_state_for_a_forgotten_job(
         free_cluster: nbtrain.Cluster) -> None:
     job = free_cluster.submit(Regression(), world_size=1, steps=5, name="forgotten")

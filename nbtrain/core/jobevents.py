@@ -21,6 +21,9 @@ __all__ = [
     "CONTROLLER_KINDS",
     "RANK_KINDS",
     "FaultEvent",
+    "KnobAppliedEvent",
+    "KnobSetEvent",
+    "KnobsEvent",
     "NonFiniteEvent",
     "PreemptionEvent",
     "RecoveryEvent",
@@ -29,6 +32,9 @@ __all__ = [
     "StateEvent",
     "UncommittedEvent",
     "fault_event",
+    "knob_applied_event",
+    "knob_set_event",
+    "knobs_event",
     "nonfinite_event",
     "preemption_event",
     "recovery_event",
@@ -42,10 +48,10 @@ __all__ = [
 #: a GPU's NVML readings, kept for straggler verdicts and not logged; ``memory`` a rank's
 #: parameter, gradient and optimizer-state bytes after a generation's first step).
 RANK_KINDS = ("steps", "device", "rank_started", "checkpoint", "fault_injected", "rank_failed",
-              "rank_finished", "log", "data", "phase", "memory")
+              "rank_finished", "log", "data", "phase", "memory", "knobs", "knob_applied")
 #: Kinds the job machine emits.
 CONTROLLER_KINDS = ("state", "fault", "recovery", "preemption", "straggler", "mitigation",
-                    "nonfinite", "resize", "slow", "uncommitted")
+                    "nonfinite", "resize", "slow", "uncommitted", "knob_set")
 
 
 class StateEvent(TypedDict):
@@ -208,6 +214,53 @@ def uncommitted_event(time: float, *, cause: str, generation: int, step: int,
               f"{lost_steps} uncommitted steps lost, no restart charged")
     return {"kind": "uncommitted", "time": time, "cause": cause, "generation": generation,
             "step": step, "lost_steps": lost_steps, "error": error, "reason": reason}
+
+
+class KnobsEvent(TypedDict):
+    """Rank 0's declared knobs (``core.knobs.KnobSpec.to_dict()``) and the values in force
+    when its loop started at ``step``."""
+
+    kind: Literal["knobs"]
+    time: float
+    specs: list[dict[str, Any]]
+    values: dict[str, float]
+    step: int
+    history: list[dict[str, Any]]  # the applied changes the generation started with
+
+
+class KnobSetEvent(TypedDict):
+    """A change the controller accepted (``core.knobs.KnobChange.to_dict()``, pending)."""
+
+    kind: Literal["knob_set"]
+    time: float
+    change: dict[str, Any]
+
+
+class KnobAppliedEvent(TypedDict):
+    """Every rank applied these pending changes at ``step`` (in force from ``step + 1``);
+    ``values``: what is in force then."""
+
+    kind: Literal["knob_applied"]
+    time: float
+    step: int
+    changes: list[dict[str, Any]]
+    values: dict[str, float]
+
+
+def knobs_event(time: float, *, specs: list[dict[str, Any]], values: dict[str, float],
+                step: int, history: list[dict[str, Any]]) -> KnobsEvent:
+    return {"kind": "knobs", "time": time, "specs": specs, "values": values, "step": step,
+            "history": history}
+
+
+def knob_set_event(time: float, change: dict[str, Any]) -> KnobSetEvent:
+    return {"kind": "knob_set", "time": time, "change": change}
+
+
+def knob_applied_event(time: float, *, step: int, changes: list[dict[str, Any]],
+                       values: dict[str, float]) -> KnobAppliedEvent:
+    return {"kind": "knob_applied", "time": time, "step": step, "changes": changes,
+            "values": values}
 
 
 def rank_event(kind: str, *, job: str, rank: int, gen: int, time: float,

@@ -12,6 +12,7 @@ from typing import Any
 from nbtrain.core.faults import Fault
 from nbtrain.core.goodput import GoodputLedger
 from nbtrain.core.job import JobState
+from nbtrain.core.knobs import KnobBook
 from nbtrain.core.lifecycle_types import CarriedHistory, JobSubmission, RankFailureInfo
 from nbtrain.core.resizeplan import ResizePlan
 from nbtrain.core.stragglerwatch import StragglerWatch
@@ -100,6 +101,7 @@ class JobStatus:
     max_size: int
     target_size: int  # the size asked for (``world_size`` until a resize asks for another)
     resize_note: str  # why a resize the user asked for has not happened yet ("" if none)
+    knob_seq: int = 0  # the newest knob change accepted (``core.knobs``)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
@@ -139,6 +141,8 @@ class LiveJob:
         #: Restored PREEMPTED by a restarted controller: kept out of the gang scheduler until
         #: ``resume()`` submits it there again.
         self.parked = False
+        #: Declared knobs, pending changes and the applied history (``core.knobs``).
+        self.knobs = KnobBook.replaying(sub.knob_history)
 
     @property
     def id(self) -> str:
@@ -157,7 +161,8 @@ class LiveJob:
                          for f in self.fault_log),
             planned=tuple(f.to_dict() for f in self.planned), fired=tuple(sorted(self.fired)),
             held=self.state is JobState.PREEMPTED, target=self.plan.target,
-            last_size=self.plan.last_size, submitted=self.submitted, started=self.started)
+            last_size=self.plan.last_size, submitted=self.submitted, started=self.started,
+            knobs=self.knobs.wire())
 
     def restore(self, carried: CarriedHistory, now: float, wall: float) -> dict[str, Any]:
         """Continue from what an earlier controller knew; returns the fault to record for
@@ -175,6 +180,8 @@ class LiveJob:
         self.plan.last_size = carried.last_size
         self.submitted = carried.submitted or self.submitted
         self.started = carried.started
+        if carried.knobs:
+            self.knobs = KnobBook.from_wire(carried.knobs)
         lost = max(0, self.step - self.committed_step)
         fault = {"kind": "fault", "time": wall, "what": "controller", "rank": None,
                  "host": None, "step": self.step, "generation": self.generation,
@@ -212,7 +219,7 @@ class LiveJob:
             submitted=self.submitted, started=self.started, ended=self.ended,
             size=self.gen.size if self.gen is not None and self.state.holds_slots else 0,
             min_size=self.spec.bounds[0], max_size=self.spec.bounds[1],
-            target_size=self.plan.target, resize_note=self.plan.note,
+            target_size=self.plan.target, resize_note=self.plan.note, knob_seq=self.knobs.seq,
         )
 
 

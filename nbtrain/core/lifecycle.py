@@ -42,7 +42,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import replace
 from typing import Any
 
-from nbtrain.core import jobflow, progress
+from nbtrain.core import jobflow, knobflow, progress
 from nbtrain.core.explain import (
     describe_fault,
     gpu_shared_reason,
@@ -341,7 +341,7 @@ class JobMachine:
                          out=self._out)
         self._out.add(Launch(job.id, number, addresses, job.unfired_faults(),
                              dict(gen.control), device=self._kind_of(job),
-                             mesh=self._mesh_plan(job, slots)))
+                             mesh=self._mesh_plan(job, slots), knobs=job.knobs.wire()))
 
     def _mesh_plan(self, job: LiveJob, slots: tuple[str, ...]) -> MeshPlan:
         """The generation's mesh on its slots (rank order is placement order)."""
@@ -737,6 +737,9 @@ class JobMachine:
     def _on_request(self, ev: Request) -> None:
         job = self._jobs.get(ev.job_id)
         if job is None:
+            return
+        if ev.what == "set":  # live knobs (core/knobflow.py), ended jobs included
+            knobflow.request_set(job, ev.arg, self._out)
             return
         if job.state.terminal:  # nothing to do, but say so for what cannot be done at all
             refused = (resume_rejected(job.name, job.state) if ev.what == "resume"

@@ -103,6 +103,8 @@ class CarriedHistory:
     last_size: int | None = None
     submitted: float = 0.0
     started: float | None = None
+    #: The job's knobs (``core.knobs.KnobBook.wire()``): declarations, pending, history.
+    knobs: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,6 +120,9 @@ class JobSubmission:
     resume_step: int = 0
     #: Set when a restarted controller restores the job from its journal (see there).
     carried: CarriedHistory | None = None
+    #: ``submit(replay=...)``: another run's applied knob changes, applied again at their
+    #: steps (``core.knobs.KnobChange.to_dict()``).
+    knob_history: tuple[Mapping[str, Any], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -260,15 +265,19 @@ class Launch:
     device: str = ""
     #: The generation's device mesh: shape, names and where each rank runs.
     mesh: MeshPlan | None = None
+    #: The job's knobs (``core.knobs.KnobBook.wire()``): what the ranks apply and when.
+    knobs: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class SetControl:
-    """The control flags ranks of ``generation`` act on at their next agreement."""
+    """The control flags ranks of ``generation`` act on at their next agreement, and the
+    knob changes pending (``core.knobs.KnobChange.to_dict()``) they apply at it."""
 
     job_id: str
     generation: int
     flags: Mapping[str, int]
+    knobs: tuple[Mapping[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)

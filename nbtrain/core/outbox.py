@@ -71,4 +71,5 @@ class Outbox:
         if gen is None:
             return
         gen.control.update(flags)
-        self.commands.append(SetControl(job.id, gen.number, dict(gen.control)))
+        self.commands.append(SetControl(job.id, gen.number, dict(gen.control),
+                                        tuple(c.to_dict() for c in job.knobs.pending)))

@@ -15,6 +15,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from nbtrain.core import knobflow
 from nbtrain.core.job import JobState
 from nbtrain.core.jobevents import nonfinite_event, recovery_event, resize_event
 from nbtrain.core.jobrecord import Generation, LiveJob, Preemption
@@ -47,7 +48,10 @@ def message(job: LiveJob, msg: Mapping[str, Any], now: float, out: Outbox) -> Af
     if kind in QUIET:
         return After.NOTHING if gen is None else _progress(job, gen, str(kind), msg, now, out)
     out.publish(job, msg)
-    if kind == "checkpoint":
+    if (kind == "knob_applied" or (kind == "knobs" and gen is not None)) \
+            and msg.get("rank") == 0:
+        knobflow.rank_message(job, msg, out)
+    elif kind == "checkpoint":
         committed = _checkpointed(job, msg) and job.gen is not None
         return After.COMMITTED if committed else After.NOTHING
     if kind == "rank_started" and gen is not None:

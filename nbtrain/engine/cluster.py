@@ -255,7 +255,7 @@ class Cluster:
                device: str = "auto",
                on_nonfinite: str = "alert",
                trackers: Sequence[str | TrackerSpec] | None = None,
-               mesh: Mapping[str, int] | None = None) -> JobHandle:
+               mesh: Mapping[str, int] | None = None, replay: Any = None) -> JobHandle:
         """Start a training job on ``world_size`` slots at once (gang), or queue it.
 
         ``recipe``: a training function ``train(ctx, config)`` with its own loop over
@@ -298,6 +298,9 @@ class Cluster:
           labels on CPU clusters), DP outermost; each rank gets ``ctx.mesh`` (a
           ``DeviceMesh`` in that rank order) and ``ctx.mesh_info``. An elastic job resizes
           in whole TP groups.
+        - ``replay``: a job (handle or ``nbtrain.load_run`` record) whose live knob changes
+          this job applies at the same steps (or those changes, ``job.knobs.changes()``): with
+          the same recipe, seed and world size it reproduces the steered run exactly.
         """
         if self._closed:
             raise RuntimeError("this cluster is closed: call nbtrain.connect() again")
@@ -352,7 +355,7 @@ class Cluster:
                              rendezvous_timeout_s=s.rendezvous_timeout_s,
                              peer_release_s=s.peer_release_s,
                              failure_grace_s=s.failure_grace_s),
-            resume_step=resume_step)
+            resume_step=resume_step, knob_history=_replayed(replay))
         tracked = [plain(t) for t in parse_trackers(trackers)]
         reply = self._remote.call(
             "nbtrain_submit", job=submission_to_wire(sub), recipe=payload,
@@ -535,3 +538,21 @@ def _close_quietly(follower: Follower, client: Client, local: LocalCluster | Non
             continue
         with contextlib.suppress(Exception):
             close()
+
+
+def _replayed(replay: Any) -> tuple[dict[str, Any], ...]:
+    """The applied knob changes ``submit(replay=...)`` re-applies (checked here first)."""
+    from nbtrain.core.knobs import KnobBook, knob_state
+
+    if replay is None:
+        return ()
+    if isinstance(replay, list | tuple):
+        changes = list(replay)
+    elif hasattr(replay, "knobs"):
+        changes = replay.knobs.changes()
+    elif hasattr(replay, "events"):
+        changes = knob_state(replay.events, 0).changes()
+    else:
+        raise TypeError(f"replay= takes a job handle, a load_run record or a list of knob "
+                        f"changes, got {type(replay).__name__}")
+    return tuple(c.to_dict() for c in KnobBook.replaying(changes).history)

@@ -389,15 +389,17 @@ class ClusterController(SchedulerPlugin):
                 self._job_ended(c.job_id)
         elif isinstance(c, Launch):
             # Before the launch task runs, so a request that follows at once is not lost.
-            self.assets[c.job_id].control = {"gen": c.generation, "version": 0,
-                                             "flags": dict(c.control)}
+            self.assets[c.job_id].control = {
+                "gen": c.generation, "version": 0, "flags": dict(c.control),
+                "knobs": list(c.knobs.get("pending", ()))}
             self.seals.open(c.job_id, c.generation, secrets.token_hex(16))
             self._spawn(self._launch(c))
         elif isinstance(c, SetControl):
             held = self.assets.get(c.job_id)
             if held is not None:
                 version = int(held.control.get("version", 0)) + 1
-                held.control = {"gen": c.generation, "version": version, "flags": dict(c.flags)}
+                held.control = {"gen": c.generation, "version": version, "flags": dict(c.flags),
+                                "knobs": [dict(k) for k in c.knobs]}
                 self._wake_control()
         elif isinstance(c, EndGeneration):
             self._end_generation(c.job_id, c.generation)
@@ -577,7 +579,8 @@ class ClusterController(SchedulerPlugin):
                 settings=assets.settings, checkpoint=plan,
                 faults=tuple(f for f in c.faults if f.rank == rank), job_info=spec.describe(),
                 control=dict(c.control), halt_on_nonfinite=spec.on_nonfinite == "halt",
-                device=c.device, mesh=c.mesh, secret=self.seals.secret(c.job_id, c.generation))
+                device=c.device, mesh=c.mesh, secret=self.seals.secret(c.job_id, c.generation),
+                knobs=dict(c.knobs))
             fut = client.submit(
                 run_rank_task, launch, key=f"nbtrain-{c.job_id}-g{c.generation}-r{rank}",
                 workers=[address], allow_other_workers=False, pure=False, retries=0)

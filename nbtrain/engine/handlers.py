@@ -46,7 +46,10 @@ if TYPE_CHECKING:
 __all__ = ["install"]
 
 #: Requests a job's owner (or the operator) may make.
-REQUESTS = ("stop", "preempt", "resume", "checkpoint", "inject", "stragglers", "resize")
+REQUESTS = ("stop", "preempt", "resume", "checkpoint", "inject", "stragglers", "resize",
+            "set")
+#: Largest argument of a request (as JSON): a knob change or detector settings.
+REQUEST_ARG_MAX_BYTES = 64 << 10
 #: After the first news, a follower waits this long so rows of all ranks come in one reply.
 FOLLOW_BATCH_S = 0.02
 #: The most jobs one follow call may ask about, and rows it may get per job.
@@ -167,6 +170,10 @@ async def request(ctl: ClusterController, *, job_id: str, what: str, arg: Any = 
     status = _known(ctl, job_id)
     if what in REQUESTS:
         check_owner(ctl, job_id, token, what, status)
+    if what == "set" and isinstance(arg, Mapping):  # who changed it: the controller says
+        role = role_of(ctl, job_id, token)
+        arg = {**arg, "who": "operator" if role is Role.OPERATOR
+               else str(status.get("owner") or "owner")}
     after = apply_request(ctl, job_id, what, arg)
     ctl.journal_status(job_id)
     await ctl.journaled()  # recorded before acknowledged
@@ -193,9 +200,14 @@ def apply_request(ctl: ClusterController, job_id: str, what: str, arg: Any = Non
     if what not in REQUESTS:
         raise ValueError(f"unknown request {what!r}; one of {', '.join(REQUESTS)}")
     status = _known(ctl, job_id)
+    _check_arg_size(what, arg)
     if ctl.assets[job_id].final is not None:  # ended before this controller started
         if what == "resume":
             raise ValueError(resume_rejected(str(status["name"]), JobState(status["state"])))
+        if what == "set":
+            raise ValueError(f"job {status['name']} has ended ({status['state']}): its knobs "
+                             "can no longer change; cluster.submit(..., replay=job) runs it "
+                             "again with the changes it had")
         return status
     # Parsed here; judged (the rank's bound, whether the job may resume) by the machine.
     if what == "inject":
@@ -272,6 +284,19 @@ async def follow(ctl: ClusterController, *, cursors: Mapping[str, list[int]],
         update["status"] = shown_status(ctl, status, role)
         out[jid] = update
     return {"jobs": out}
+
+
+def _check_arg_size(what: str, arg: object) -> None:
+    """ValueError when a request's argument is bigger than any real one (before parsing)."""
+    import json
+
+    try:
+        size = len(json.dumps(arg, default=str))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"the argument of {what} must be plain data (JSON-able): {exc}") from None
+    if size > REQUEST_ARG_MAX_BYTES:
+        raise ValueError(f"the argument of {what} is {size:,} bytes as JSON, more than "
+                         f"{REQUEST_ARG_MAX_BYTES:,}")
 
 
 def _check_size(job: object, settings: object, trackers: object) -> None:
@@ -555,10 +580,12 @@ async def control(ctl: ClusterController, *, job_id: str, generation: int, versi
         if assets is None or state.get("ended") or state.get("gen") != generation:
             return {"ended": True, "version": -1, "flags": {}}
         if int(state.get("version", 0)) != version:
-            return {"ended": False, "version": state["version"], "flags": state["flags"]}
+            return {"ended": False, "version": state["version"], "flags": state["flags"],
+                    "knobs": state.get("knobs", [])}
         remaining = deadline - loop.time()
         if remaining <= 0:
-            return {"ended": False, "version": version, "flags": state["flags"]}
+            return {"ended": False, "version": version, "flags": state["flags"],
+                    "knobs": state.get("knobs", [])}
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(ctl.control_news.wait(), remaining)
 

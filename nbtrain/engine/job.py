@@ -21,6 +21,7 @@ import pandas as pd
 
 from nbtrain.core.faults import Fault
 from nbtrain.core.job import JobSpec, JobState
+from nbtrain.core.knobs import KnobState, check_change, knob_state
 from nbtrain.core.records import JOB_ROW_COLUMNS
 from nbtrain.core.straggler import StragglerSettings
 from nbtrain.engine.joblog import Tail
@@ -443,6 +444,58 @@ class JobHandle:
                       factor=factor if kind == "slow" else 1.0, duration_s=duration_s)
         self._request("inject", fault.to_dict())
         return fault
+
+    @property
+    def knobs(self) -> KnobState:
+        """The job's live knobs: ``declared`` (bounds), ``values`` in force now, the applied
+        ``history`` (step, values, who) and the changes still ``pending``."""
+        return knob_state(self.events, self.step)
+
+    def set(self, *, ramp: int = 0, shape: str = "linear", wait: bool = True,
+            timeout: float = 30.0, **values: float) -> int | None:
+        """Change declared knobs live, ``job.set(lr=3e-4, aux_weight=0.2)``: every rank
+        applies the change at the same agreed step (the next agreement, usually within a
+        fraction of a second) and it is recorded, so restarts and ``submit(replay=job)``
+        apply it again at that step. ``ramp=N``: move there over N steps (``shape``
+        ``"linear"`` or ``"cosine"``) instead of at once.
+
+        Checked against the declared bounds here and again by the controller (ValueError
+        naming the values and the bounds); only the job's owner or the operator may set.
+        Returns the step it was applied at (in force from the next step), or None with
+        ``wait=False``; TimeoutError when the ranks did not apply it within ``timeout``."""
+        declared = self.knobs.declared
+        if declared:  # known here once the ranks declared them: refused before sending
+            check_change(declared, values, ramp=ramp, shape=shape, job=f"job {self.name}")
+        self._request("set", {"values": values, "ramp": ramp, "shape": shape})
+        seq = int(self._get("knob_seq", 0))
+        if not wait:
+            return None
+        deadline = time.monotonic() + timeout
+        while True:
+            step = self._knob_applied(seq)
+            if step is not None:
+                return step
+            if self.done:
+                raise RuntimeError(f"job {self.name} ended ({self.status.value}) before its "
+                                   f"ranks applied the knob change")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {self.name}: its ranks did not apply the knob change "
+                                   f"{values} within {timeout} s ({self.reason}); it stays "
+                                   "pending and applies when they next agree")
+            time.sleep(0.01)
+
+    def _knob_applied(self, seq: int) -> int | None:
+        """The step knob change ``seq`` was applied at (None: not yet), newest events first
+        (back to the change's own ``knob_set``)."""
+        for event in reversed(self.events):
+            kind = event.get("kind")
+            if kind == "knob_applied":
+                for change in event.get("changes") or ():
+                    if change.get("seq") == seq:
+                        return int(event["step"])
+            elif kind == "knob_set" and (event.get("change") or {}).get("seq") == seq:
+                return None
+        return None
 
     def tune_stragglers(self, **changes: Any) -> None:
         """Change straggler-detector thresholds while the job runs (fields of

@@ -76,4 +76,15 @@ def submission_from_wire(data: Mapping[str, Any]) -> JobSubmission:
         mitigation=MitigationSettings(**data.get("mitigation", {})),
         faults=tuple(Fault.from_dict(f) for f in data.get("faults", ())),
         resume_step=int(data.get("resume_step", 0)),
+        knob_history=_knob_history(data.get("knob_history", ())),
     )
+
+
+def _knob_history(history: Any) -> tuple[dict[str, Any], ...]:
+    """A replay's applied knob changes, checked (KnobError, a ValueError, names the fix)."""
+    from nbtrain.core.knobs import KnobBook
+
+    if not isinstance(history, list | tuple):
+        raise TypeError(f"knob_history must be a list of applied changes, got "
+                        f"{type(history).__name__}")
+    return tuple(c.to_dict() for c in KnobBook.replaying(history).history)

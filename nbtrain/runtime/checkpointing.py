@@ -84,6 +84,10 @@ class RankCheckpointing:
             layout="dcp", mesh_dims=mesh_dims,
         )
         self.last_saved_step = -1
+        #: Extra plain data for this rank's own file (the knobs in force and their history).
+        self.meta_hook: Callable[[], dict[str, Any]] | None = None
+        #: This rank's meta of the checkpoint it restored (empty: a fresh start).
+        self.restored_meta: dict[str, Any] = {}
 
     def bind(self, state: dict[str, Any], loader: PositionedLoader | None) -> None:
         """What checkpoints hold, known when the training loop starts."""
@@ -187,6 +191,7 @@ class RankCheckpointing:
 
     def _resume_at(self, step: int, meta: dict[str, Any], shard_rank: int) -> None:
         """The data position, RNG and policy of a loaded checkpoint."""
+        self.restored_meta = dict(meta)
         if self.loader is not None and "data" in meta:
             self.loader.load_state_dict(meta["data"])
         if "rng" in meta and shard_rank == self.rank:
@@ -241,6 +246,8 @@ class RankCheckpointing:
         meta: dict[str, Any] = {"rng": capture_rng_state(), "step": step}
         if self.loader is not None:
             meta["data"] = self.loader.state_dict()
+        if self.meta_hook is not None:
+            meta.update(self.meta_hook())
         # Only the live tensors' references: the writer copies what this rank writes.
         result = self.writer.save(step, to_dcp_state(self.state), meta,
                                   manifest_metadata={"step": step})

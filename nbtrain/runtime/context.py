@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from nbtrain.core.mesh import MeshPlan
+from nbtrain.runtime.knobs import RankKnobs
 from nbtrain.runtime.loader import PositionedLoader, ShardedLoader
 from nbtrain.runtime.lr_rules import LRScaling
 from nbtrain.runtime.parallel import Prepared, UnitRule, prepare_model
@@ -62,6 +63,9 @@ class RankContext:
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     #: The generation's mesh: its shape and where each rank runs (``print(ctx.mesh_info)``).
     mesh_info: MeshPlan | None = None
+    #: Live knobs: ``ctx.knobs.declare("aux_weight", 0.1, min=0, max=1)``; the job's owner
+    #: changes them with ``job.set(aux_weight=0.2)`` (see :mod:`nbtrain.runtime.knobs`).
+    knobs: RankKnobs = field(default_factory=RankKnobs)
     _mesh: Any = None  # the DeviceMesh, built by the rank task after the process group
     _prepared: list[Prepared] = field(default_factory=list)
     _loader: PositionedLoader | None = None
@@ -70,6 +74,10 @@ class RankContext:
     _reported: dict[str, float] = field(default_factory=dict)  # this step's metrics
     _driver: LoopDriver | None = None
     _looping: bool = False
+
+    def knob(self, name: str) -> float:
+        """The value of a declared knob in force for this step (the same on every rank)."""
+        return self.knobs[name]
 
     @property
     def is_main(self) -> bool:

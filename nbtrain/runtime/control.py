@@ -10,6 +10,11 @@ left alone in a collective.
 The all-reduce costs ~0.1-2 ms on CPU gloo, a lot for a 5 ms step, so ranks do not agree every
 step: each agreement also fixes the step of the next one, about ``interval_s`` of training
 later (the minimum of every rank's proposal, so all ranks hold the same schedule).
+
+Live knob changes ride on the same agreement: the controller's pending changes reach rank 0
+with the flags, rank 0 offers the newest one's number in the all-reduce, and when the
+agreed number is new every rank receives those changes from rank 0 (one broadcast, only
+then) and applies them at this very step (``agreed_knobs``).
 """
 
 from __future__ import annotations
@@ -40,8 +45,15 @@ class ControlChannel:
                  retry_s: float, device: torch.device,
                  initial: Mapping[str, int] | None = None, secret: str = "") -> None:
         self._requested = torch.zeros(len(FLAGS), dtype=torch.int64)
-        # Flags, then the negated interval proposal (MAX of negatives = MIN of proposals).
-        self._agreed = torch.zeros(len(FLAGS) + 1, dtype=torch.int64, device=device)
+        # Flags, the newest knob change rank 0 offers, then the negated interval proposal
+        # (MAX of negatives = MIN of proposals).
+        self._agreed = torch.zeros(len(FLAGS) + 2, dtype=torch.int64, device=device)
+        self._rank = rank
+        self._knobs: list[dict[str, Any]] = []  # pending changes (rank 0 follows them)
+        #: The newest knob change applied (set by the loop from the job's history).
+        self.knob_seq = 0
+        #: The knob changes agreed at the last agreement (empty: none), in seq order.
+        self.agreed_knobs: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -57,6 +69,13 @@ class ControlChannel:
         with self._lock:
             for i, flag in enumerate(FLAGS[:-1]):
                 self._requested[i] = int(flags.get(flag, 0))
+
+    def set_knobs(self, pending: Any) -> None:
+        """The controller's pending knob changes (what rank 0's long-poll brought)."""
+        if isinstance(pending, list | tuple):
+            with self._lock:
+                self._knobs = sorted((dict(c) for c in pending if isinstance(c, Mapping)),
+                                     key=lambda c: int(c.get("seq", 0)))
 
     def _follow(self, client: Client, job_id: str, generation: int, retry_s: float,
                 secret: str) -> None:
@@ -80,6 +99,7 @@ class ControlChannel:
                 return
             version = int(reply["version"])
             self._set(reply.get("flags", {}))
+            self.set_knobs(reply.get("knobs", []))
 
     def agree(self, proposed_interval: int, due: bool = False) -> tuple[dict[str, int], int]:
         """Collective: the requests every rank acts on now, and steps until the next agreement.
@@ -89,11 +109,21 @@ class ControlChannel:
         """
         with self._lock:
             self._agreed[: len(FLAGS)].copy_(self._requested)
-        self._agreed[len(FLAGS) - 1] = int(due)
-        self._agreed[len(FLAGS)] = -max(1, min(MAX_INTERVAL_STEPS, proposed_interval))
+            offered = [c for c in self._knobs if int(c["seq"]) > self.knob_seq]
+        n = len(FLAGS)
+        self._agreed[n - 1] = int(due)
+        self._agreed[n] = max((int(c["seq"]) for c in offered), default=0)
+        self._agreed[n + 1] = -max(1, min(MAX_INTERVAL_STEPS, proposed_interval))
         dist.all_reduce(self._agreed, op=dist.ReduceOp.MAX)
         values = [int(v) for v in self._agreed.tolist()]
-        return dict(zip(FLAGS, values[: len(FLAGS)], strict=True)), -values[len(FLAGS)]
+        self.agreed_knobs = []
+        if values[n] > self.knob_seq:  # rare: a new change; every rank knows it from here
+            box: list[Any] = [[c for c in offered if int(c["seq"]) <= values[n]]
+                              if self._rank == 0 else None]
+            dist.broadcast_object_list(box, src=0, device=self._agreed.device)
+            self.agreed_knobs = list(box[0] or [])
+            self.knob_seq = values[n]
+        return dict(zip(FLAGS, values[:n], strict=True)), -values[n + 1]
 
     def close(self) -> None:
         """Stop following (the thread ends after its current long-poll, at most a couple of

@@ -75,3 +75,6 @@ class RankLaunch:
     #: The generation's secret (``nbtrain.core.rankseal``): the rank seals its events with
     #: it and shows it at the rendezvous and the control long-poll.
     secret: str = field(default="", repr=False)
+    #: The job's knobs (``core.knobs.KnobBook.wire()``): declarations the controller knows,
+    #: pending changes and the applied history, re-applied at its steps.
+    knobs: Mapping[str, Any] = field(default_factory=dict)

@@ -77,6 +77,8 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
         control = ControlChannel(launch.job_id, launch.rank, launch.generation, client,
                                  settings.control_poll_s, device, initial=launch.control,
                                  secret=launch.secret)
+        control.set_knobs(launch.knobs.get("pending", []))
+        ctx.knobs.load(launch.knobs)
         work = cloudpickle.loads(launch.recipe)
         if launch.checkpoint is not None:
             ckpt = RankCheckpointing(
@@ -92,6 +94,9 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
                           interval_s=settings.control_interval_s,
                           halt_on_nonfinite=launch.halt_on_nonfinite)
         stepper.memory_probe = lambda: _memory(ctx)
+        stepper.knobs, stepper.is_main = ctx.knobs, launch.rank == 0
+        if ckpt is not None:
+            ckpt.meta_hook = lambda: {"knobs": ctx.knobs.checkpoint_meta()}
         driver = _Driver(ctx, stepper, ckpt, emitter, t0)
         ctx._driver = driver
         result: Any = None
@@ -168,6 +173,7 @@ class _Driver:
     def start_loop(self) -> int:
         ctx = self.ctx
         step, skipped = 0, list[tuple[int, str]]()
+        ctx.knobs.bind(ctx._state)  # before the restore: the optimizers' own LR
         if self.ckpt is not None:
             self.emitter.emit("phase", phase="restore")
             self.ckpt.bind(ctx._state, ctx._loader)
@@ -176,8 +182,12 @@ class _Driver:
         self.started = True
         ctx.step = step
         data = ctx.restored()
+        restored = self.ckpt.restored_meta.get("knobs") if self.ckpt is not None else None
+        knobs = ctx.knobs.start(step, restored)  # after the LR rule: an absolute LR wins
+        self.stepper.control.knob_seq = max(self.stepper.control.knob_seq, ctx.knobs.seq)
         if ctx.rank == 0:
             self.emitter.emit("data", **data)
+            self.emitter.emit("knobs", **knobs)
         self.emitter.emit("rank_started", host=ctx.host, pid=os.getpid(),
                           device=str(ctx.device), startup_s=time.perf_counter() - self.t0,
                           start_step=step, skipped=[f"step {s}: {why}" for s, why in skipped])

@@ -26,6 +26,7 @@ from nbtrain.runtime.checkpointing import RankCheckpointing
 from nbtrain.runtime.control import ControlChannel
 from nbtrain.runtime.events import EventEmitter
 from nbtrain.runtime.faults import FaultInjector
+from nbtrain.runtime.knobs import RankKnobs
 from nbtrain.runtime.timing import PhaseTimer
 
 __all__ = ["KILL_NOTICE_S", "Stepper"]
@@ -63,6 +64,10 @@ class Stepper:
         #: Measures the rank's state after the generation's first step (the ``memory``
         #: event); called once.
         self.memory_probe: Callable[[], dict[str, Any]] | None = None
+        #: The rank's live knobs (applied at step boundaries) and whether this rank reports
+        #: their changes (rank 0).
+        self.knobs: RankKnobs | None = None
+        self.is_main = False
 
     def start(self, step: int) -> None:
         """The loop starts at ``step`` (0, or the restored checkpoint's step)."""
@@ -112,6 +117,16 @@ class Stepper:
             if requests["due"] or requests["checkpoint"] > self._checkpoint_seq:
                 want_checkpoint = True
                 self._checkpoint_seq = requests["checkpoint"]
+        knobs = self.knobs
+        if knobs is not None:  # before a checkpoint at this step, which then holds them
+            agreed = self.control.agreed_knobs if requests is not None else []
+            if agreed:
+                applied = knobs.apply(agreed, step)
+                if applied and self.is_main:
+                    self.emitter.emit("knob_applied", step=step, changes=applied,
+                                      values=dict(knobs.values))
+            else:
+                knobs.at_step(step)
         ending = requests is not None and bool(
             requests["stop"] or requests["preempt"] or requests["halt"])
         if self.halt_on_nonfinite and metrics and not self.tainted:

@@ -33,6 +33,7 @@ from nbtrain.ui.panels import alerts_html, checkpoint_html, header_html
 from nbtrain.ui.plots import (
     PHASES,
     GenerationMarks,
+    KnobMarks,
     MetricPlot,
     PhaseSplitPlot,
     StepTimePlot,
@@ -118,6 +119,7 @@ class JobDashboard(widgets.VBox):
         self.rate_plot = ThroughputPlot(width=330)
         self.marks = GenerationMarks([self.step_plot.figure, self.loss_plot.figure,
                                       self.rate_plot.figure])
+        self.knob_marks = KnobMarks([self.loss_plot.figure, self.rate_plot.figure])
         self.plots = BokehModel(column(
             row(self.step_plot.figure, self.split_plot.figure),
             row(self.loss_plot.figure, self.rate_plot.figure),
@@ -174,6 +176,7 @@ class JobDashboard(widgets.VBox):
         self._event_index = len(events)
         for event in new_events:
             self.eventlog.add(event)
+        self.knob_marks.add(new_events)
         if rows:
             self.rows_drawn += feed_plots(rows, (self.step_plot, self.split_plot, self.loss_plot,
                                                  self.rate_plot), self.marks,

@@ -311,6 +311,28 @@ class EventLog:
                          f"base {ev.get('lr_base_world_size')} ranks)")
         return Alert(when, "info", "data", "; ".join(parts))
 
+    def _on_knobs(self, ev: dict[str, Any], when: float | None) -> Alert | None:
+        """Rank 0's declarations: shown once per generation only when it has knobs of its
+        own (the optimizer's built-ins are always there)."""
+        own = [s.get("name") for s in ev.get("specs") or () if not s.get("builtin")]
+        if not own:
+            return None
+        values = ev.get("values") or {}
+        return Alert(when, "info", "knobs", "knobs: " + ", ".join(
+            f"{n}={_num(values.get(n))}" for n in own))
+
+    def _on_knob_set(self, ev: dict[str, Any], when: float | None) -> Alert:
+        change = ev.get("change") or {}
+        return Alert(when, "info", "knobs", f"knob change by {change.get('who') or '?'}: "
+                     f"{_values(change)} (pending: every rank applies it at its next "
+                     "agreement)")
+
+    def _on_knob_applied(self, ev: dict[str, Any], when: float | None) -> Alert:
+        step = ev.get("step", "?")
+        parts = [f"{_values(c)} by {c.get('who') or '?'}" for c in ev.get("changes") or ()]
+        return Alert(when, "info", "knobs", f"knobs applied at step {step} on every rank: "
+                     + "; ".join(parts))
+
     def describe_generation(self, gen: int) -> tuple[str, str]:
         """What started generation ``gen`` (for the plots' marks): ("resize", "2→1 ranks"),
         ("restart", "restart after ...: <cause>") or ("resume", "resumed after ...")."""
@@ -332,6 +354,17 @@ class EventLog:
         detail = ", ".join(f"{k}={v}" for k, v in ev.items() if k not in skip)
         rank = f"rank {ev['rank']}: " if "rank" in ev else ""
         return Alert(when, "info", kind, f"{kind}: {rank}{detail}")
+
+
+def _num(v: Any) -> str:
+    return f"{v:.6g}" if isinstance(v, int | float) else "?"
+
+
+def _values(change: dict[str, Any]) -> str:
+    """``lr=0.0003, aux_weight=0.2 over 100 steps (cosine)``."""
+    text = ", ".join(f"{k}={_num(v)}" for k, v in (change.get("values") or {}).items())
+    ramp = change.get("ramp")
+    return text + (f" over {ramp} steps ({change.get('shape', 'linear')})" if ramp else "")
 
 
 def event_time(event: dict[str, Any]) -> float | None:

@@ -21,10 +21,12 @@ from bokeh.models.widgets.markups import Div
 from bokeh.models.widgets.sliders import Slider
 
 from nbtrain.ui.eventlog import EventLog
+from nbtrain.ui.knobpanel import KnobPanel
 from nbtrain.ui.panels import alerts_html, checkpoint_html, header_html
 from nbtrain.ui.plots import (
     PHASES,
     GenerationMarks,
+    KnobMarks,
     MetricPlot,
     PhaseSplitPlot,
     StepTimePlot,
@@ -78,6 +80,7 @@ class JobPage:
         self.rate_plot = ThroughputPlot(width=340)
         self.marks = GenerationMarks([self.step_plot.figure, self.loss_plot.figure,
                                       self.rate_plot.figure])
+        self.knob_marks = KnobMarks([self.loss_plot.figure, self.rate_plot.figure])
         self.header = Div(text="", name="nbtrain-header", sizing_mode="stretch_width")
         self.message = Div(text="", name="nbtrain-message")
         self.checkpoint = Div(text="", width=340, name="nbtrain-checkpoint-panel")
@@ -88,8 +91,11 @@ class JobPage:
         self.buttons: dict[str, Button] = {}
         self.slider: Slider | None = None
         controls = self._controls(status)
+        #: Number inputs and sliders per declared knob: for the owner (or operator) only.
+        self.knobs = KnobPanel(self._act) if feed.can_control else None
         self.layout = column(
-            self.header, controls, row(self.checkpoint, self.alerts), self.phase,
+            self.header, controls, *([self.knobs.layout] if self.knobs else []),
+            row(self.checkpoint, self.alerts), self.phase,
             row(self.step_plot.figure, self.split_plot.figure),
             row(self.loss_plot.figure, self.rate_plot.figure),
             name="nbtrain-job-page")
@@ -152,6 +158,9 @@ class JobPage:
         events, self.events_at = self.feed.events_since(self.events_at)
         for event in events:
             self.log.add(event)
+        self.knob_marks.add(events)
+        if self.knobs is not None:
+            self.knobs.update(events)
         if rows:
             self.rows_drawn += feed_plots(rows, (self.step_plot, self.split_plot, self.loss_plot,
                                                  self.rate_plot), self.marks,

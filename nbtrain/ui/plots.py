@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -451,6 +451,48 @@ class GenerationMarks:
                                    ("colour", self.COLOURS.get(kind, "#7f7f7f"))):
                     new[key].append(value)
             self._gen = gen
+        if new["x"]:
+            self.source.stream(dict(new), rollover=self.keep)
+        return len(new["x"])
+
+
+class KnobMarks:
+    """A dotted green vertical line on each figure where live knob changes took effect (the
+    step after the one every rank applied them at), with what changed and who changed it on
+    hover. Fed with the job's ``knob_applied`` events; at most ``keep`` marks."""
+
+    COLOUR = "#2ca02c"
+
+    def __init__(self, figures: Sequence[Any], *, keep: int = 200) -> None:
+        self.keep = keep
+        self.source = ColumnDataSource({"x": [], "step": [], "label": []}, name="knob-marks")
+        for fig in figures:
+            spans = fig.vspan(x="x", source=self.source, line_color=self.COLOUR,
+                              line_dash="dotted", line_width=1.5)
+            fig.add_tools(HoverTool(renderers=[spans], tooltips=[
+                ("knobs from step", "@step"), ("", "@label")]))
+
+    @property
+    def marks(self) -> list[tuple[int, str]]:
+        return list(zip(self.source.data["step"], self.source.data["label"], strict=True))
+
+    def add(self, events: Iterable[Mapping[str, Any]]) -> int:
+        """Mark the ``knob_applied`` events among ``events``; returns how many."""
+        new: dict[str, list[Any]] = {"x": [], "step": [], "label": []}
+        for ev in events:
+            if ev.get("kind") != "knob_applied" or not isinstance(ev.get("step"), int):
+                continue
+            parts = []
+            for change in ev.get("changes") or ():
+                values = ", ".join(f"{k}={v:.4g}" for k, v in
+                                   (change.get("values") or {}).items()
+                                   if isinstance(v, int | float))
+                ramp = f" over {change['ramp']} steps" if change.get("ramp") else ""
+                parts.append(f"{values}{ramp} by {change.get('who') or '?'}")
+            step = int(ev["step"]) + 1
+            new["x"].append(step - 0.5)
+            new["step"].append(step)
+            new["label"].append("; ".join(parts))
         if new["x"]:
             self.source.stream(dict(new), rollover=self.keep)
         return len(new["x"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ from nbtrain.ui.plots import (
     STEP,
     STEP_S,
     GenerationMarks,
+    KnobMarks,
     MetricPlot,
     PhaseSplitPlot,
     StepTimePlot,
@@ -127,6 +128,8 @@ def write_report(job: Any, path: str, *, max_steps: int = 5000, alerts: int = 20
     log = _fold_events(job)
     GenerationMarks([step_plot.figure, loss.figure, rate.figure]).add(
         rows, log.describe_generation)
+    events = list(job.events)
+    KnobMarks([loss.figure, rate.figure]).add(events)
     layout = column(row(step_plot.figure, split.figure), row(loss.figure, rate.figure))
     script, div = components(layout)
     resources = Resources(mode="inline", components=["bokeh"])
@@ -152,6 +155,7 @@ def write_report(job: Any, path: str, *, max_steps: int = 5000, alerts: int = 20
 {error}
 <h2>Plots</h2>
 {div}
+{knob_table(events)}
 <h2>Events</h2>
 <table><tr><th class='l'>time</th><th class='l'>kind</th><th class='l'>what</th></tr>
 {alert_rows or "<tr><td class='l' colspan='3'>none</td></tr>"}</table>
@@ -178,6 +182,23 @@ def thin_rows(rows: Sequence[Sequence[Any]], max_steps: int) -> list[Sequence[An
         last[int(r[RANK])] = i
     keep = set(last.values())
     return [r for i, r in enumerate(rows) if int(r[STEP]) % every == 0 or i in keep]
+
+
+def knob_table(events: Sequence[Mapping[str, Any]]) -> str:
+    """The applied live knob changes (step, values, ramp, who) as an HTML section ("" when
+    there were none)."""
+    from nbtrain.core.knobs import knob_state
+
+    history = knob_state(events, 0).history
+    if not history:
+        return ""
+    rows = "".join(
+        f"<tr><td>{c.step}</td><td class='l'>"
+        f"{html.escape(', '.join(f'{k}={v:.6g}' for k, v in c.values.items()))}</td>"
+        f"<td class='l'>{f'{c.ramp} steps ({c.shape})' if c.ramp else 'at once'}</td>"
+        f"<td class='l'>{html.escape(c.who or '?')}</td></tr>" for c in history)
+    return ("<h2>Knob changes</h2><table><tr><th>applied at step</th><th class='l'>values"
+            "</th><th class='l'>ramp</th><th class='l'>who</th></tr>" + rows + "</table>")
 
 
 def _fold_events(job: Any) -> EventLog:
