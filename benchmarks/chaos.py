@@ -91,11 +91,8 @@ TIMEOUT_S = 240.0
 
 
 def _wait(cond: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.01)
+    if not _until(cond, timeout, poll_s=0.01):
+        raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
 
 
 @dataclass
@@ -324,13 +321,14 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def _until(cond: Callable[[], bool], timeout: float) -> bool:
+def _until(cond: Callable[[], object], timeout: float, poll_s: float = 0.002) -> bool:
+    """Whether ``cond`` came true within ``timeout`` seconds (asked every ``poll_s``)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.002)
-    return False
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True
 
 
 def _failed_checkpoints(job: nbtrain.JobHandle) -> list[dict[str, Any]]:
