@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from nbtrain.core.mesh import MeshPlan
+from nbtrain.runtime.batch import to_device
 from nbtrain.runtime.knobs import RankKnobs
 from nbtrain.runtime.loader import PositionedLoader, ShardedLoader
 from nbtrain.runtime.lr_rules import LRScaling
@@ -256,7 +257,7 @@ class RankContext:
                 raise TypeError("ctx.batches(dataset, global_batch_size=...): the global batch "
                                 "size is needed to shard a dataset over the ranks")
             it = iter(data)
-            return self._loop(lambda: _to_device(next(it), self.device))
+            return self._loop(lambda: to_device(next(it), self.device))
         if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
             self.loader(data, global_batch_size=global_batch_size,  # type: ignore[arg-type]
                         shuffle=shuffle, drop_last=drop_last, collate_fn=collate_fn,
@@ -323,16 +324,5 @@ class RankContext:
             )
         batch = self._loader.next_batch()
         self.timer.grad_weight = self._loader.last_share
-        return _to_device(batch, self.device)
+        return to_device(batch, self.device)
 
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if device.type == "cpu":
-        return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    return batch
