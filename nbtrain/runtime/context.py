@@ -81,6 +81,18 @@ class RankContext:
         return self.knobs[name]
 
     @property
+    def total_steps(self) -> int | None:
+        """The job's ``steps`` (``submit(..., steps=N)``); None: the training function's
+        own loop decides when it ends."""
+        return self._driver.stepper.steps if self._driver is not None else None
+
+    @property
+    def outcome(self) -> str | None:
+        """Why the training loop ended ("completed", "stopped", "preempted", ...); None while
+        it runs."""
+        return self._driver.stepper.outcome if self._driver is not None else None
+
+    @property
     def is_main(self) -> bool:
         return self.rank == 0
 
