@@ -63,7 +63,7 @@ def run_trainer(ctx: RankContext, trainer: Any, *, global_batch_size: int | None
     batch = global_batch_size or args.per_device_train_batch_size * ctx.dp_size
     batches = _Batches(ctx, trainer, batch)
 
-    class _Report(TrainerCallback):  # type: ignore[misc]
+    class _Report(TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             # The Trainer made its optimizer and scheduler by now; the first batch (after
             # this) starts nbtrain's loop, which restores the checkpoint into them.
