@@ -12,6 +12,7 @@ from typing import Any
 from nbtrain.core.faults import Fault
 from nbtrain.core.goodput import GoodputLedger
 from nbtrain.core.job import JobState
+from nbtrain.core.jobevents import fault_event
 from nbtrain.core.knobs import KnobBook
 from nbtrain.core.lifecycle_types import CarriedHistory, JobSubmission, RankFailureInfo
 from nbtrain.core.resizeplan import ResizePlan
@@ -183,14 +184,14 @@ class LiveJob:
         if carried.knobs:
             self.knobs = KnobBook.from_wire(carried.knobs)
         lost = max(0, self.step - self.committed_step)
-        fault = {"kind": "fault", "time": wall, "what": "controller", "rank": None,
-                 "host": None, "step": self.step, "generation": self.generation,
-                 "cause": f"{CONTROLLER_RESTARTED}: the job continues from its newest "
-                          f"committed checkpoint (step {self.committed_step})",
-                 "error": CONTROLLER_RESTARTED, "detect_s": None,
-                 "lost_steps": lost if carried.generation >= 0 else 0,
-                 "resume_step": self.committed_step, "budget": False,
-                 "_detected_mono": now}
+        fault: dict[str, Any] = {
+            **fault_event(wall, what="controller", rank=None, host=None, step=self.step,
+                          generation=self.generation, error=CONTROLLER_RESTARTED,
+                          cause=f"{CONTROLLER_RESTARTED}: the job continues from its newest "
+                                f"committed checkpoint (step {self.committed_step})",
+                          detect_s=None),
+            "lost_steps": lost if carried.generation >= 0 else 0,
+            "resume_step": self.committed_step, "budget": False, "_detected_mono": now}
         self.fault_log.append(fault)
         return fault
 

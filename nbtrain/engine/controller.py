@@ -40,7 +40,17 @@ from distributed import Client, Future, SchedulerPlugin
 
 from nbtrain.config import Settings
 from nbtrain.core.checkpoint_policy import parse_checkpoint_setting, preemption_commit_s
+from nbtrain.core.clusterevents import (
+    abort_event,
+    controller_error_event,
+    refused_event,
+    restart_event,
+    restored_event,
+    shutdown_event,
+    worker_refused_event,
+)
 from nbtrain.core.health import hung_ranks, rank_stacks
+from nbtrain.core.jobevents import tracker_event
 from nbtrain.core.lifecycle import JobMachine
 from nbtrain.core.lifecycle_types import (
     AbortCollectives,
@@ -206,8 +216,7 @@ class ClusterController(SchedulerPlugin):
             status = self.job_status(job_id)
             if status is not None and status["state"] not in ("SUCCEEDED", "FAILED",
                                                               "CANCELLED"):
-                self.cluster_log.extend([{"kind": "shutdown", "job": job_id,
-                                          "time": time.time()}])
+                self.cluster_log.extend([shutdown_event(job_id)])
         for task in list(self._tasks):
             task.cancel()
         if self._client is not None:
@@ -233,10 +242,9 @@ class ClusterController(SchedulerPlugin):
             except Exception:  # one unreadable record must not keep the others out
                 logger.exception("nbtrain controller: restoring job %s failed", sj.job_id)
         if stored:
-            self.cluster_log.extend([{
-                "kind": "restored", "jobs": len(stored), "live": live, "epoch": self.epoch,
-                "state_dir": str(self.store.dir), "seconds": time.perf_counter() - t0,
-                "time": time.time()}])
+            self.cluster_log.extend([restored_event(
+                jobs=len(stored), live=live, epoch=self.epoch, state_dir=str(self.store.dir),
+                seconds=time.perf_counter() - t0)])
             logger.info("nbtrain controller: restored %d jobs (%d live) from %s in %.2f s",
                         len(stored), live, self.store.dir, time.perf_counter() - t0)
 
@@ -287,7 +295,7 @@ class ClusterController(SchedulerPlugin):
             [TrackerSpec(**dict(t)) for t in trackers], run=f"{assets.spec.name}-{jid}",
             params=assets.spec.describe(),
             on_error=lambda message: self.publish_from_thread(
-                jid, {"kind": "tracker", "error": message}))
+                jid, dict(tracker_event(message))))
 
     def journal_status(self, job_id: str, *, live_only: bool = False) -> None:
         """Journal a job's status and what a restarted controller needs to continue it
@@ -359,9 +367,8 @@ class ClusterController(SchedulerPlugin):
         job_id = _job_of(event)
         logger.error("nbtrain controller: handling %s failed (job %s):\n%s",
                      type(event).__name__, job_id, tb)
-        self.cluster_log.extend([{"kind": "controller_error", "job": job_id,
-                                  "event": type(event).__name__,
-                                  "error": tb.strip().splitlines()[-1], "time": time.time()}])
+        self.cluster_log.extend([controller_error_event(
+            job=job_id, event=type(event).__name__, error=tb.strip().splitlines()[-1])])
         if job_id is None:
             return []
         now, wall = self.now()
@@ -511,10 +518,10 @@ class ClusterController(SchedulerPlugin):
         if ws is None:
             return
         if not isinstance(labels, Mapping):
-            self.cluster_log.extend([{
-                "kind": "worker", "what": "refused", "address": address, "time": time.time(),
-                "reason": f"cannot run nbtrain ranks: {type(labels).__name__}: {labels}; "
-                          "install nbtrain (and torch) in the workers' environment"}])
+            self.cluster_log.extend([worker_refused_event(
+                address=address, time=time.time(),
+                reason=f"cannot run nbtrain ranks: {type(labels).__name__}: {labels}; "
+                       "install nbtrain (and torch) in the workers' environment")])
             self.wake()
             return
         now, wall = self.now()
@@ -532,10 +539,8 @@ class ClusterController(SchedulerPlugin):
                 stimulus_id=f"nbtrain-restart-{time.time()}")
         except Exception as exc:
             results = {a: f"{type(exc).__name__}: {exc}" for a in addresses}
-        self.cluster_log.extend([{"kind": "restart", "addresses": list(addresses),
-                                  "reason": reason, "results": {str(k): str(v) for k, v in
-                                                                dict(results or {}).items()},
-                                  "time": time.time()}])
+        self.cluster_log.extend([restart_event(addresses=addresses, reason=reason,
+                                               results=results)])
         self.wake()
 
     async def _abort_collectives(self, c: AbortCollectives) -> None:
@@ -547,11 +552,9 @@ class ClusterController(SchedulerPlugin):
                                             workers=list(c.addresses), on_error="return")
         except Exception as exc:
             results = {a: f"{type(exc).__name__}: {exc}" for a in c.addresses}
-        self.cluster_log.extend([{"kind": "abort", "job": c.job_id, "generation": c.generation,
-                                  "addresses": list(c.addresses), "reason": c.reason,
-                                  "results": {str(k): str(v) for k, v in
-                                              dict(results or {}).items()},
-                                  "time": time.time()}])
+        self.cluster_log.extend([abort_event(job=c.job_id, generation=c.generation,
+                                             addresses=c.addresses, reason=c.reason,
+                                             results=results)])
         self.wake()
 
     # ================================================================== rank tasks
@@ -692,11 +695,10 @@ class ClusterController(SchedulerPlugin):
             now = time.monotonic()
             if now - self._refusal_logged.get(job_id, -1e18) >= 10.0:
                 self._refusal_logged[job_id] = now
-                self.cluster_log.extend([{
-                    "kind": "refused", "job": job_id, "time": time.time(),
-                    "count": self.refused_events[job_id],
-                    "reason": "rank events not sealed by that job's running generation "
-                              "(sent by another client, or by a rank of an older generation)"}])
+                self.cluster_log.extend([refused_event(
+                    job=job_id, count=self.refused_events[job_id],
+                    reason="rank events not sealed by that job's running generation "
+                           "(sent by another client, or by a rank of an older generation)")])
         return False
 
     def _rank_event(self, msg: Mapping[str, Any]) -> None:

@@ -27,6 +27,7 @@ from nbtrain.config import CLIENT_ONLY, Settings
 from nbtrain.core.explain import resume_rejected
 from nbtrain.core.faults import Fault
 from nbtrain.core.job import JobState
+from nbtrain.core.jobevents import state_event
 from nbtrain.core.lifecycle_types import Rejected, Request, Submitted
 from nbtrain.core.rankseal import secret_matches
 from nbtrain.engine.access import (
@@ -157,7 +158,7 @@ async def submit(ctl: ClusterController, *, job: Mapping[str, Any], recipe: byte
         held = ctl.assets.pop(spec.job_id, None)
         ctl.store.drop_job(spec.job_id)
         if held is not None and held.trackers is not None:
-            held.trackers.event({"kind": "state", "state": "CANCELLED"})
+            held.trackers.event(dict(state_event(wall, "CANCELLED", rejected[0].reason)))
         raise ValueError(rejected[0].reason)
     ctl.journal_status(spec.job_id)
     await ctl.journaled()  # recorded before acknowledged
