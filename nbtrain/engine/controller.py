@@ -81,6 +81,7 @@ from nbtrain.core.lifecycle_types import (
 from nbtrain.core.rankseal import RankSeals
 from nbtrain.core.sched_types import SchedulerConfig
 from nbtrain.engine.assets import PLUGIN_NAME, JobAssets, token_hash
+from nbtrain.engine.figures import decision_figures
 from nbtrain.engine.inbox import Inbox
 from nbtrain.engine.joblog import JobLog, Tail
 from nbtrain.engine.store import TERMINAL, ControllerStore, StoredJob
@@ -168,6 +169,7 @@ class ClusterController(SchedulerPlugin):
         self._client: Client | None = None
         self._client_ready = asyncio.Event()
         self.view_tickets: dict[str, ViewTicket] = {}
+        self.pages = "none"  # until they are served (below)
         self.store = ControllerStore(s.state_dir or default_state_dir(scheduler.address))
         self.epoch = self.store.epoch
         self._last_journal = -1e18
@@ -750,6 +752,48 @@ class ClusterController(SchedulerPlugin):
         except KeyError:
             assets = self.assets.get(job_id)
             return dict(assets.final) if assets is not None and assets.final else None
+
+
+    # ================================================================== for handlers, pages
+    # (what ``nbtrain.engine.port.ControllerPort`` promises besides the attributes above)
+    def generation_of(self, job_id: str) -> int | None:
+        """The job's current (or last) generation number; None when the machine does not
+        hold the job (unknown, or an ended job it forgot)."""
+        try:
+            return self.machine.status(job_id).generation
+        except KeyError:
+            return None
+
+    def live_jobs(self) -> int:
+        """Jobs queued, held or running (in memory and not ended)."""
+        return len(self.assets) - len(self.ended)
+
+    def queue(self) -> list[str]:
+        """Queued job ids in the order the scheduler serves them."""
+        return [] if self.machine.sched is None else self.machine.sched.queued()
+
+    def slots(self) -> list[dict[str, Any]]:
+        """Every slot the cluster has had, as the machine sees it."""
+        return list(self.machine.slots())
+
+    def team_usage(self) -> dict[str, float]:
+        return self.machine.team_usage()
+
+    def decision_ms(self) -> dict[str, Any]:
+        """The machine's decision times and the inbox's slices (``cluster.snapshot()``)."""
+        return decision_figures(self.decision_s, self.decision_cpu_s, self.feed_s,
+                                self.inbox.slice_s_seen)
+
+    def rank_secret(self, job_id: str, generation: int) -> str:
+        """The secret a generation's ranks were launched with ("" once it is closed)."""
+        return self.seals.secret(job_id, generation)
+
+    def control_state(self, job_id: str) -> Mapping[str, Any]:
+        """The control flags of the job's current generation as its rank 0 reads them:
+        ``gen``, ``version``, ``flags``, ``knobs`` (``ended`` once it ended); empty for an
+        unknown job."""
+        assets = self.assets.get(job_id)
+        return assets.control if assets is not None else {}
 
 
 def _label(event: Event) -> str:
