@@ -20,6 +20,7 @@ from typing import Any, Literal, TypedDict
 __all__ = [
     "CONTROLLER_KINDS",
     "RANK_KINDS",
+    "SHELL_KINDS",
     "FaultEvent",
     "KnobAppliedEvent",
     "KnobSetEvent",
@@ -30,6 +31,7 @@ __all__ = [
     "ResizeEvent",
     "SlowEvent",
     "StateEvent",
+    "TrackerEvent",
     "UncommittedEvent",
     "fault_event",
     "knob_applied_event",
@@ -41,6 +43,7 @@ __all__ = [
     "resize_event",
     "slow_event",
     "state_event",
+    "tracker_event",
     "uncommitted_event",
 ]
 
@@ -52,6 +55,8 @@ RANK_KINDS = ("steps", "device", "rank_started", "checkpoint", "fault_injected",
 #: Kinds the job machine emits.
 CONTROLLER_KINDS = ("state", "fault", "recovery", "preemption", "straggler", "mitigation",
                     "nonfinite", "resize", "slow", "uncommitted", "knob_set")
+#: Kinds the controller's shell adds to a job's log (a tracker that cannot write).
+SHELL_KINDS = ("tracker",)
 
 
 class StateEvent(TypedDict):
@@ -182,6 +187,18 @@ def slow_event(time: float, *, generation: int, silent_s: float, limit_s: float)
 
 def state_event(time: float, state: str, reason: str) -> StateEvent:
     return {"kind": "state", "time": time, "state": state, "reason": reason}
+
+
+class TrackerEvent(TypedDict):
+    """A tracker (TensorBoard, MLflow) could not write; the job goes on. Sent from the
+    tracker's thread, without a time (the log keeps it in order)."""
+
+    kind: Literal["tracker"]
+    error: str
+
+
+def tracker_event(error: str) -> TrackerEvent:
+    return {"kind": "tracker", "error": error}
 
 
 def fault_event(time: float, *, what: str, cause: str, rank: int | None, host: str | None,

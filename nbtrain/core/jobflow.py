@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from nbtrain.core.clusterevents import job_line_event
 from nbtrain.core.explain import fault_list, restart_budget, resume_rejected
 from nbtrain.core.job import JobState
 from nbtrain.core.jobevents import preemption_event, resize_event, uncommitted_event
@@ -125,8 +126,8 @@ def resize_decided(job: LiveJob, placement: Placement, reason: str, *, now: floa
         return
     job.plan.decided = PendingResize(placement=placement, old_size=gen.size, reason=reason,
                                      asked=now)
-    out.publish_cluster({"kind": "resize", "job": job.id,
-                         "reason": f"{job.name} resized {gen.size} -> {new} ranks: {reason}"})
+    out.publish_cluster(job_line_event("resize", job.id,
+                                       f"{job.name} resized {gen.size} -> {new} ranks: {reason}"))
     job.plan.update_note(gen.size, unit)
     out.publish(job, resize_event(out.wall, phase="requested", old=gen.size, new=new,
                                   reason=reason, generation=gen.number))
@@ -148,8 +149,7 @@ def preempted_for(job: LiveJob, reason: str, *, for_job: str | None, grace_s: fl
         return
     job.preempt = Preemption(cause="scheduler", reason=reason, deadline=now + grace_s,
                              for_job=for_job)
-    out.publish_cluster({"kind": "preemption", "job": job.id,
-                         "reason": f"{job.name} preempted: {reason}"})
+    out.publish_cluster(job_line_event("preemption", job.id, f"{job.name} preempted: {reason}"))
     out.set_control(job, preempt=1)
     out.set_state(job, JobState.STOPPING, f"{reason}: checkpointing at the next step boundary, "
                                           f"then releasing its slots (grace {grace_s:.0f} s)")
@@ -303,8 +303,8 @@ def _preempted(job: LiveJob, gen: Generation, step: int, now: float, avoid: froz
         job.plan.decided, job.plan.launched = None, pending
         return Relaunch(pending.placement)
     if pre.cause == "user":
-        out.publish_cluster({"kind": "preemption", "job": job.id,
-                             "reason": f"{job.name} preempted by its owner at step {step}"})
+        out.publish_cluster(job_line_event("preemption", job.id,
+                                           f"{job.name} preempted by its owner at step {step}"))
         job.ledger.enter("queued", now)
         done = (f"released its slots; its checkpoint did not commit, so it resumes from step "
                 f"{step}" if uncommitted else f"checkpointed at step {step} and released its slots")

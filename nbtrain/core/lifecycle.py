@@ -42,6 +42,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import replace
 from typing import Any
 
+from nbtrain.core import clusterevents as ce
 from nbtrain.core import jobflow, knobflow, progress
 from nbtrain.core.explain import (
     describe_fault,
@@ -314,7 +315,7 @@ class JobMachine:
                 del self._jobs[job.id]
                 self._out.add(Rejected(job.id, d.reason))
             elif job is not None:
-                self._out.publish_cluster({"kind": "scheduler", "job": job.id, "reason": d.reason})
+                self._out.publish_cluster(ce.job_line_event("scheduler", job.id, d.reason))
         elif isinstance(d, ResizeJob) and job is not None:
             self._resize(job, d)
 
@@ -414,14 +415,14 @@ class JobMachine:
         sharing = self.book.sharing(ev.gpu)
         if sharing is not None and sharing.address != ev.address:
             # Two workers on one GPU: ranks on both would share it by accident.
-            self._out.publish_cluster({
-                "kind": "worker", "what": "refused", "address": ev.address, "host": ev.host,
-                "reason": gpu_shared_reason(ev.gpu, str(sharing.address), sharing.slot)})
+            self._out.publish_cluster(ce.worker_refused_event(
+                address=ev.address, host=ev.host,
+                reason=gpu_shared_reason(ev.gpu, str(sharing.address), sharing.slot)))
             return
         rec = self.book.join(WorkerInfo(address=ev.address, host=ev.host, name=ev.name,
                                         nvlink=ev.nvlink, leaf=ev.leaf, gpu=ev.gpu))
-        self._out.publish_cluster({"kind": "worker", "what": "joined", "slot": rec.slot,
-                                   "address": ev.address, "host": rec.host})
+        self._out.publish_cluster(ce.worker_joined_event(slot=rec.slot, address=ev.address,
+                                                      host=rec.host))
         first = self.sched is None
         if self.sched is None:
             self.sched = DevicePools(self.sched_config, slot_kind=self.book.kind_of,
@@ -436,9 +437,9 @@ class JobMachine:
             # a host split between such a domain and others): the topology is unchanged,
             # so keep the worker out rather than stop the controller.
             self.book.refuse(ev.address, rec.slot)
-            self._out.publish_cluster({
-                "kind": "worker", "what": "refused", "address": ev.address, "host": ev.host,
-                "reason": labels_refused_reason(ev.nvlink or ev.host, ev.leaf, str(exc))})
+            self._out.publish_cluster(ce.worker_refused_event(
+                address=ev.address, host=ev.host,
+                reason=labels_refused_reason(ev.nvlink or ev.host, ev.leaf, str(exc))))
             return
         if first:
             pending, self._pending = self._pending, []
@@ -452,9 +453,8 @@ class JobMachine:
         if rec is None:
             return
         slot = rec.slot
-        self._out.publish_cluster({"kind": "worker", "what": "left", "slot": slot,
-                                   "address": address, "host": rec.host,
-                                   "restarting": self.book.restarting(slot)})
+        self._out.publish_cluster(ce.worker_left_event(slot=slot, address=address, host=rec.host,
+                                                    restarting=self.book.restarting(slot)))
         hit: list[LiveJob] = []
         for job in self._live.values():
             gen = job.gen
@@ -560,18 +560,18 @@ class JobMachine:
                 self._tick_job(job, job.gen)
         for slot in self.book.lost(self.now):
             self._queue_dirty = True
-            self._out.publish_cluster({"kind": "slot_lost", "slot": slot,
-                                       "host": self.inventory.host_of(slot),
-                                       "reason": slot_lost_reason(self.config.worker_return_s)})
+            self._out.publish_cluster(ce.slot_lost_event(
+                slot=slot, host=self.inventory.host_of(slot),
+                reason=slot_lost_reason(self.config.worker_return_s)))
         if self.sched is not None and self.now - self._last_sched_tick >= (
                 self.config.scheduler_tick_s):
             self._last_sched_tick = self.now
             held = {s for job in self._live.values() if job.gen for s in job.gen.slots}
             for rec in self.book.forget_departed(self.now, held, self._sched,
                                                  self.sched.has_slot):
-                self._out.publish_cluster({"kind": "worker", "what": "forgotten",
-                                           "slot": rec.slot, "host": rec.host,
-                                           "reason": slot_forgotten_reason(self.book.forget_s)})
+                self._out.publish_cluster(ce.worker_slot_event(
+                    "forgotten", slot=rec.slot, host=rec.host,
+                    reason=slot_forgotten_reason(self.book.forget_s)))
             self._sched(SchedTick(self.now))
 
     def _tick_job(self, job: LiveJob, gen: Generation) -> None:

@@ -40,7 +40,17 @@ from distributed import Client, Future, SchedulerPlugin
 
 from nbtrain.config import Settings
 from nbtrain.core.checkpoint_policy import parse_checkpoint_setting, preemption_commit_s
+from nbtrain.core.clusterevents import (
+    abort_event,
+    controller_error_event,
+    refused_event,
+    restart_event,
+    restored_event,
+    shutdown_event,
+    worker_refused_event,
+)
 from nbtrain.core.health import hung_ranks, rank_stacks
+from nbtrain.core.jobevents import tracker_event
 from nbtrain.core.lifecycle import JobMachine
 from nbtrain.core.lifecycle_types import (
     AbortCollectives,
@@ -71,6 +81,7 @@ from nbtrain.core.lifecycle_types import (
 from nbtrain.core.rankseal import RankSeals
 from nbtrain.core.sched_types import SchedulerConfig
 from nbtrain.engine.assets import PLUGIN_NAME, JobAssets, token_hash
+from nbtrain.engine.figures import decision_figures
 from nbtrain.engine.inbox import Inbox
 from nbtrain.engine.joblog import JobLog, Tail
 from nbtrain.engine.store import TERMINAL, ControllerStore, StoredJob
@@ -158,6 +169,7 @@ class ClusterController(SchedulerPlugin):
         self._client: Client | None = None
         self._client_ready = asyncio.Event()
         self.view_tickets: dict[str, ViewTicket] = {}
+        self.pages = "none"  # until they are served (below)
         self.store = ControllerStore(s.state_dir or default_state_dir(scheduler.address))
         self.epoch = self.store.epoch
         self._last_journal = -1e18
@@ -206,8 +218,7 @@ class ClusterController(SchedulerPlugin):
             status = self.job_status(job_id)
             if status is not None and status["state"] not in ("SUCCEEDED", "FAILED",
                                                               "CANCELLED"):
-                self.cluster_log.extend([{"kind": "shutdown", "job": job_id,
-                                          "time": time.time()}])
+                self.cluster_log.extend([shutdown_event(job_id)])
         for task in list(self._tasks):
             task.cancel()
         if self._client is not None:
@@ -233,10 +244,9 @@ class ClusterController(SchedulerPlugin):
             except Exception:  # one unreadable record must not keep the others out
                 logger.exception("nbtrain controller: restoring job %s failed", sj.job_id)
         if stored:
-            self.cluster_log.extend([{
-                "kind": "restored", "jobs": len(stored), "live": live, "epoch": self.epoch,
-                "state_dir": str(self.store.dir), "seconds": time.perf_counter() - t0,
-                "time": time.time()}])
+            self.cluster_log.extend([restored_event(
+                jobs=len(stored), live=live, epoch=self.epoch, state_dir=str(self.store.dir),
+                seconds=time.perf_counter() - t0)])
             logger.info("nbtrain controller: restored %d jobs (%d live) from %s in %.2f s",
                         len(stored), live, self.store.dir, time.perf_counter() - t0)
 
@@ -287,7 +297,7 @@ class ClusterController(SchedulerPlugin):
             [TrackerSpec(**dict(t)) for t in trackers], run=f"{assets.spec.name}-{jid}",
             params=assets.spec.describe(),
             on_error=lambda message: self.publish_from_thread(
-                jid, {"kind": "tracker", "error": message}))
+                jid, dict(tracker_event(message))))
 
     def journal_status(self, job_id: str, *, live_only: bool = False) -> None:
         """Journal a job's status and what a restarted controller needs to continue it
@@ -359,9 +369,8 @@ class ClusterController(SchedulerPlugin):
         job_id = _job_of(event)
         logger.error("nbtrain controller: handling %s failed (job %s):\n%s",
                      type(event).__name__, job_id, tb)
-        self.cluster_log.extend([{"kind": "controller_error", "job": job_id,
-                                  "event": type(event).__name__,
-                                  "error": tb.strip().splitlines()[-1], "time": time.time()}])
+        self.cluster_log.extend([controller_error_event(
+            job=job_id, event=type(event).__name__, error=tb.strip().splitlines()[-1])])
         if job_id is None:
             return []
         now, wall = self.now()
@@ -511,10 +520,10 @@ class ClusterController(SchedulerPlugin):
         if ws is None:
             return
         if not isinstance(labels, Mapping):
-            self.cluster_log.extend([{
-                "kind": "worker", "what": "refused", "address": address, "time": time.time(),
-                "reason": f"cannot run nbtrain ranks: {type(labels).__name__}: {labels}; "
-                          "install nbtrain (and torch) in the workers' environment"}])
+            self.cluster_log.extend([worker_refused_event(
+                address=address, time=time.time(),
+                reason=f"cannot run nbtrain ranks: {type(labels).__name__}: {labels}; "
+                       "install nbtrain (and torch) in the workers' environment")])
             self.wake()
             return
         now, wall = self.now()
@@ -532,10 +541,8 @@ class ClusterController(SchedulerPlugin):
                 stimulus_id=f"nbtrain-restart-{time.time()}")
         except Exception as exc:
             results = {a: f"{type(exc).__name__}: {exc}" for a in addresses}
-        self.cluster_log.extend([{"kind": "restart", "addresses": list(addresses),
-                                  "reason": reason, "results": {str(k): str(v) for k, v in
-                                                                dict(results or {}).items()},
-                                  "time": time.time()}])
+        self.cluster_log.extend([restart_event(addresses=addresses, reason=reason,
+                                               results=results)])
         self.wake()
 
     async def _abort_collectives(self, c: AbortCollectives) -> None:
@@ -547,11 +554,9 @@ class ClusterController(SchedulerPlugin):
                                             workers=list(c.addresses), on_error="return")
         except Exception as exc:
             results = {a: f"{type(exc).__name__}: {exc}" for a in c.addresses}
-        self.cluster_log.extend([{"kind": "abort", "job": c.job_id, "generation": c.generation,
-                                  "addresses": list(c.addresses), "reason": c.reason,
-                                  "results": {str(k): str(v) for k, v in
-                                              dict(results or {}).items()},
-                                  "time": time.time()}])
+        self.cluster_log.extend([abort_event(job=c.job_id, generation=c.generation,
+                                             addresses=c.addresses, reason=c.reason,
+                                             results=results)])
         self.wake()
 
     # ================================================================== rank tasks
@@ -692,11 +697,10 @@ class ClusterController(SchedulerPlugin):
             now = time.monotonic()
             if now - self._refusal_logged.get(job_id, -1e18) >= 10.0:
                 self._refusal_logged[job_id] = now
-                self.cluster_log.extend([{
-                    "kind": "refused", "job": job_id, "time": time.time(),
-                    "count": self.refused_events[job_id],
-                    "reason": "rank events not sealed by that job's running generation "
-                              "(sent by another client, or by a rank of an older generation)"}])
+                self.cluster_log.extend([refused_event(
+                    job=job_id, count=self.refused_events[job_id],
+                    reason="rank events not sealed by that job's running generation "
+                           "(sent by another client, or by a rank of an older generation)")])
         return False
 
     def _rank_event(self, msg: Mapping[str, Any]) -> None:
@@ -748,6 +752,48 @@ class ClusterController(SchedulerPlugin):
         except KeyError:
             assets = self.assets.get(job_id)
             return dict(assets.final) if assets is not None and assets.final else None
+
+
+    # ================================================================== for handlers, pages
+    # (what ``nbtrain.engine.port.ControllerPort`` promises besides the attributes above)
+    def generation_of(self, job_id: str) -> int | None:
+        """The job's current (or last) generation number; None when the machine does not
+        hold the job (unknown, or an ended job it forgot)."""
+        try:
+            return self.machine.status(job_id).generation
+        except KeyError:
+            return None
+
+    def live_jobs(self) -> int:
+        """Jobs queued, held or running (in memory and not ended)."""
+        return len(self.assets) - len(self.ended)
+
+    def queue(self) -> list[str]:
+        """Queued job ids in the order the scheduler serves them."""
+        return [] if self.machine.sched is None else self.machine.sched.queued()
+
+    def slots(self) -> list[dict[str, Any]]:
+        """Every slot the cluster has had, as the machine sees it."""
+        return list(self.machine.slots())
+
+    def team_usage(self) -> dict[str, float]:
+        return self.machine.team_usage()
+
+    def decision_ms(self) -> dict[str, Any]:
+        """The machine's decision times and the inbox's slices (``cluster.snapshot()``)."""
+        return decision_figures(self.decision_s, self.decision_cpu_s, self.feed_s,
+                                self.inbox.slice_s_seen)
+
+    def rank_secret(self, job_id: str, generation: int) -> str:
+        """The secret a generation's ranks were launched with ("" once it is closed)."""
+        return self.seals.secret(job_id, generation)
+
+    def control_state(self, job_id: str) -> Mapping[str, Any]:
+        """The control flags of the job's current generation as its rank 0 reads them:
+        ``gen``, ``version``, ``flags``, ``knobs`` (``ended`` once it ended); empty for an
+        unknown job."""
+        assets = self.assets.get(job_id)
+        return assets.control if assets is not None else {}
 
 
 def _label(event: Event) -> str:

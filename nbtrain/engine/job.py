@@ -21,6 +21,7 @@ import pandas as pd
 
 from nbtrain.core.faults import Fault
 from nbtrain.core.job import JobSpec, JobState
+from nbtrain.core.jobrecord import JobStatus
 from nbtrain.core.knobs import KnobState, check_change, knob_state
 from nbtrain.core.records import JOB_ROW_COLUMNS
 from nbtrain.core.straggler import StragglerSettings
@@ -71,7 +72,11 @@ class JobHandle:
         self._checkpoint_url = checkpoint_url
         self._lock = threading.RLock()
         self._done = threading.Event()
-        self._status: dict[str, Any] = dict(status or {})
+        #: What the controller said of the job, typed (``core.jobrecord.JobStatus``); the
+        #: spec stands in for what it has not said yet.
+        self._blank = JobStatus.before_news(spec, submitted=time.time())
+        self._status = JobStatus.from_dict(status or {}, self._blank)
+        self._hidden = str((status or {}).get("hidden") or "")
         # The newest rows, events and output lines by absolute position (older rows are
         # read back from the controller's journal when asked for).
         keep = cluster.settings.handle_rows_kept if cluster is not None else ROWS_KEPT
@@ -87,7 +92,7 @@ class JobHandle:
         #: What the controller will not show this client of the job ("rows", "events",
         #: "output"), with why (``nbtrain.engine.access``).
         self._refused: dict[str, str] = {}
-        self.submitted_at = float(self._status.get("submitted") or time.time())
+        self.submitted_at = float(self._status.submitted or time.time())
         if follow:
             self._follow()
 
@@ -127,14 +132,16 @@ class JobHandle:
 
     @property
     def owner(self) -> str:
-        return str(self._get("owner", ""))
+        return self._now().owner
 
     @property
     def hidden(self) -> str:
         """Why this client sees only the scheduling facts of the job (its step, metrics,
         events and errors are its owner's: the cluster's ``visibility="owner"``); "" when it
         sees them."""
-        return str(self._get("hidden", ""))
+        self._follow()
+        with self._lock:
+            return self._hidden
 
     def _readable(self, part: str) -> None:
         """PermissionError naming the job, its owner and the fix, when the controller does
@@ -153,20 +160,25 @@ class JobHandle:
         return self._checkpoint_url
 
     # -- state (read from any thread) ---------------------------------------------------
-    def _get(self, key: str, default: Any = None) -> Any:
+    def _now(self) -> JobStatus:
         self._follow()
         with self._lock:
-            return self._status.get(key, default)
+            return self._status
+
+    def snapshot(self) -> JobStatus:
+        """The job's status as the controller last said it, typed (one consistent
+        snapshot: every field from the same update)."""
+        return self._now()
 
     @property
     def status(self) -> JobState:
-        return JobState(self._get("state", JobState.QUEUED.value))
+        return JobState(self._now().state)
 
     @property
     def reason(self) -> str:
         """Why the job is in its state: what it waits for, or how it ended (and, while the
         controller cannot be reached, since when)."""
-        reason = str(self._get("reason", "waiting for the scheduler"))
+        reason = self._now().reason
         lost = self.unreachable_since
         if lost is not None:
             return (f"controller unreachable since {_clock(lost)} (last known: "
@@ -184,23 +196,23 @@ class JobHandle:
 
     @property
     def generation(self) -> int:
-        return int(self._get("generation", -1))
+        return self._now().generation
 
     @property
     def slots(self) -> list[str]:
         """Dask worker addresses, index = rank (empty while not holding slots)."""
-        return list(self._get("slots", []))
+        return list(self._now().slots)
 
     @property
     def size(self) -> int:
         """Ranks it runs with now (0 while it holds no slots); an elastic job's size changes
         with resizes, ``spec.world_size`` is the size it was submitted with."""
-        return int(self._get("size", 0))
+        return self._now().size
 
     @property
     def target_size(self) -> int:
         """The size asked for: ``world_size``, or the last :meth:`resize`."""
-        return int(self._get("target_size", self.spec.world_size))
+        return self._now().target_size
 
     @property
     def size_bounds(self) -> tuple[int, int]:
@@ -210,30 +222,29 @@ class JobHandle:
     @property
     def resize_note(self) -> str:
         """Why the job runs below its target size ("" when it does not)."""
-        return str(self._get("resize_note", ""))
+        return self._now().resize_note
 
     @property
     def step(self) -> int:
         """Steps completed (as last reported by rank 0)."""
-        return int(self._get("step", 0))
+        return self._now().step
 
     @property
     def error(self) -> str | None:
         """The failure report (rank, step, remote traceback) when FAILED."""
-        value = self._get("error")
-        return None if value is None else str(value)
+        return self._now().error
 
     @property
     def restarts(self) -> int:
-        return int(self._get("restarts", 0))
+        return self._now().restarts
 
     @property
     def started_at(self) -> float | None:
-        return self._get("started")
+        return self._now().started
 
     @property
     def ended_at(self) -> float | None:
-        return self._get("ended")
+        return self._now().ended
 
     @property
     def done(self) -> bool:
@@ -348,7 +359,7 @@ class JobHandle:
     def faults(self) -> list[dict[str, Any]]:
         """Faults seen so far: what, its cause, rank, host, step, detection latency, recovery
         time, steps lost."""
-        return [dict(f) for f in self._get("faults", [])]
+        return [dict(f) for f in self._now().faults]
 
     @property
     def alerts(self) -> list[dict[str, Any]]:
@@ -380,7 +391,7 @@ class JobHandle:
         """Wall time split into productive steps, queueing, startup, checkpoint blocking,
         recovery and lost (recomputed) work, in seconds, plus the productive fraction (as of
         the controller's last word, at most a couple of seconds old while the job runs)."""
-        return dict(self._get("goodput", {}))
+        return dict(self._now().goodput)
 
     # -- controls -----------------------------------------------------------------------
     def _request(self, what: str, arg: Any = None) -> None:
@@ -467,7 +478,7 @@ class JobHandle:
         if declared:  # known here once the ranks declared them: refused before sending
             check_change(declared, values, ramp=ramp, shape=shape, job=f"job {self.name}")
         self._request("set", {"values": values, "ramp": ramp, "shape": shape})
-        seq = int(self._get("knob_seq", 0))
+        seq = self._now().knob_seq
         if not wait:
             return None
         deadline = time.monotonic() + timeout
@@ -664,11 +675,11 @@ class JobHandle:
         if update.get("gone"):
             # Neither in its memory nor in its journal: say so, and invent no end state.
             with self._lock:
-                state = self._status.get("state", "QUEUED")
+                state = self._status.state
                 if not JobState(state).terminal:
-                    self._status["reason"] = (
+                    self._status = dataclasses.replace(self._status, reason=(
                         f"the controller does not know this job (was it started again on "
-                        f"another state directory?); last known: {state}")
+                        f"another state directory?); last known: {state}"))
             self._done.set()
             return
         new_events: list[dict[str, Any]] = []
@@ -690,11 +701,12 @@ class JobHandle:
                 self._output.put(int(update.get("output_at", self._output.end)),
                                  [dict(o) for o in output])
             if "status" in update:
-                self._status = dict(update["status"])
+                self._status = JobStatus.from_dict(update["status"], self._blank)
+                self._hidden = str(update["status"].get("hidden") or "")
             self._refused = {str(k): str(v) for k, v in dict(update.get("refused") or {}).items()}
             drained = (self._rows.end >= int(update.get("rows_end", self._rows.end))
                        and self._events.end >= int(update.get("events_end", self._events.end)))
-            terminal = JobState(self._status.get("state", "QUEUED")).terminal
+            terminal = JobState(self._status.state).terminal
             listeners = list(self._listeners)
         for event in new_events:
             for listener in listeners:
