@@ -289,7 +289,7 @@ def bad_rows_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> None:
                   and o.job_id == ctx.job_id and o.generation == ctx.generation)
     seq = 1 << 40  # past every number the rank's own emitter will use
     get_worker().log_event("nbtrain-ranks", {
-        "kind": "steps", "job": ctx.job_id, "gen": ctx.generation, "rank": ctx.rank,
+        "kind": "steps", "job": ctx.job_id, "generation": ctx.generation, "rank": ctx.rank,
         "seq": seq, "seal": seal(launch.secret, ctx.job_id, ctx.generation, ctx.rank, seq,
                                  "steps"),
         "rows": [["not-a-step", 0.0, 0.01, 0.0, 0.01, 0.0, 0.0]]})

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbtrain.core.jobevents import generation_of
 from nbtrain.core.straggler import ratio_text
 
 #: Events that happen on every normal start and end: counted, not shown as alerts.
@@ -129,7 +130,7 @@ class EventLog:
         rank = ev.get("rank", "?")
         return Alert(when, "error", "rank_failed",
                      f"rank {rank} failed at step {ev.get('step', '?')} "
-                     f"(generation {ev.get('gen', '?')}): {_first_line(ev.get('error'))}")
+                     f"(generation {generation_of(ev, '?')}): {_first_line(ev.get('error'))}")
 
     def _on_checkpoint(self, ev: dict[str, Any], when: float | None) -> Alert | None:
         ck = self.checkpoint
@@ -277,7 +278,7 @@ class EventLog:
 
     def _on_memory(self, ev: dict[str, Any], when: float | None) -> None:
         """A rank's state bytes after its generation's first step (no alert: a panel line)."""
-        rank, gen = _int_or_none(ev.get("rank")), _int_or_none(ev.get("gen"))
+        rank, gen = _int_or_none(ev.get("rank")), _int_or_none(generation_of(ev))
         if rank is None or gen is None or gen < self.memory_generation:
             return None
         if gen > self.memory_generation:
@@ -350,7 +351,7 @@ class EventLog:
         return None
 
     def _generic(self, kind: str, ev: dict[str, Any], when: float | None) -> Alert:
-        skip = {"kind", "time", "rank", "gen"}
+        skip = {"kind", "time", "rank", "generation", "gen"}
         detail = ", ".join(f"{k}={v}" for k, v in ev.items() if k not in skip)
         rank = f"rank {ev['rank']}: " if "rank" in ev else ""
         return Alert(when, "info", kind, f"{kind}: {rank}{detail}")
