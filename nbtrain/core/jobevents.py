@@ -41,6 +41,7 @@ __all__ = [
     "nonfinite_event",
     "preemption_event",
     "recovery_event",
+    "renamed_fields",
     "resize_event",
     "slow_event",
     "state_event",
@@ -280,3 +281,12 @@ def generation_of(record: Mapping[str, Any], default: Any = None) -> Any:
     record written before (a journal, a run record on disk, a rank of an older version)."""
     value = record.get("generation", default)
     return record.get("gen", default) if value is default else value
+
+
+def renamed_fields(record: Any) -> Any:
+    """A record as written before ``gen`` was renamed ``generation`` (a rank event or an
+    output line in a journal or run record on disk), in today's names; anything else as
+    it is."""
+    if not isinstance(record, dict) or "gen" not in record or "generation" in record:
+        return record
+    return {("generation" if k == "gen" else k): v for k, v in record.items()}
