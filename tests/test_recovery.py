@@ -19,7 +19,7 @@ def _committed_before(job: nbtrain.JobHandle, generation: int) -> int:
     """The newest step whose checkpoint committed during ``generation`` (0 if none)."""
     steps = [int(e["step"]) for e in job.events
              if e["kind"] == "checkpoint" and e.get("phase") == "committed"
-             and e.get("gen") == generation]
+             and e.get("generation") == generation]
     return max(steps, default=0)
 
 
@@ -41,7 +41,7 @@ def test_sigkill_a_rank_worker_recovers_exactly(free_cluster: nbtrain.Cluster, t
     # the kill (the kill can land between a snapshot and its commit, so >= the one before).
     assert fault["resume_step"] >= _committed_before(job, 0)
     assert fault["resume_step"] >= (step - 1) // 4 * 4 - 4
-    resumed = [e for e in job.events if e["kind"] == "rank_started" and e["gen"] == 1]
+    resumed = [e for e in job.events if e["kind"] == "rank_started" and e["generation"] == 1]
     assert {e["start_step"] for e in resumed} == {fault["resume_step"]}
     assert_params_equal(tmp_path, single_process_params(STEPS))
     recovery = [e for e in job.events if e["kind"] == "recovery"]

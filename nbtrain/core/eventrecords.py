@@ -83,13 +83,13 @@ _READERS: dict[str, Callable[[object], Any]] = {
 @dataclass(frozen=True)
 class EventRecord:
     """What every event has: ``kind``; ``time`` as sent (wall-clock seconds); a rank
-    event's ``rank`` and ``gen``; and the dict itself (``raw``: for kinds without a record,
-    and the few readers that list every field)."""
+    event's ``rank`` and ``generation`` (``gen`` in older records); and the dict itself
+    (``raw``: for kinds without a record, and the few readers that list every field)."""
 
     kind: str = "?"
     time: float | None = None
     rank: int | None = None
-    gen: int | None = None
+    generation: int | None = None
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     KIND: ClassVar[str] = ""
@@ -102,6 +102,8 @@ class EventRecord:
                 continue
             read = _READERS[str(f.type)]
             value = event.get(f.name)
+            if value is None and f.name == "generation":
+                value = event.get("gen")  # records written before the rename
             parsed = None if value is None else read(value)
             if parsed is not None:
                 values[f.name] = parsed
@@ -161,7 +163,6 @@ class FaultRecord(EventRecord):
     cause: str | None = None
     host: str | None = None
     step: int | None = None
-    generation: int | None = None
     detect_s: float | None = None
 
 

@@ -22,10 +22,20 @@ from typing import Any
 
 from nbtrain.core.clusterevents import job_line_event
 from nbtrain.core.explain import fault_list, restart_budget, resume_rejected
+from nbtrain.core.faults import Fault
 from nbtrain.core.job import JobState
 from nbtrain.core.jobevents import preemption_event, resize_event, uncommitted_event
 from nbtrain.core.jobrecord import CONTROLLER_RESTARTED, Generation, LiveJob, Preemption
 from nbtrain.core.lifecycle_types import CarriedHistory, Deliver, Rejected
+from nbtrain.core.machine_events import (
+    CheckpointRequested,
+    FaultInjectionRequested,
+    PreemptRequested,
+    ResumeRequested,
+    StopRequested,
+    StragglerTuningRequested,
+    UserRequest,
+)
 from nbtrain.core.outbox import Outbox
 from nbtrain.core.placement import Placement
 from nbtrain.core.resizeplan import PendingResize
@@ -33,7 +43,8 @@ from nbtrain.core.sched_types import Failed, Released, Resume, Suspend
 from nbtrain.core.straggler import StragglerSettings
 
 __all__ = ["Admit", "EndJob", "Next", "Relaunch", "generation_ended", "generation_failed",
-           "launched", "preempted_for", "request", "resize_decided", "restore"]
+           "launched", "preempted_for", "refused_when_ended", "request", "resize_decided",
+           "restore"]
 
 
 @dataclass(frozen=True)
@@ -156,52 +167,65 @@ def preempted_for(job: LiveJob, reason: str, *, for_job: str | None, grace_s: fl
 
 
 # ====================================================================== requests
-def request(job: LiveJob, what: str, arg: Any, *, now: float, grace_s: float,
-            scheduled: bool, out: Outbox) -> Next:
-    """A user's request other than ``resize`` (the machine asks the scheduler about that):
-    ``stop``, ``preempt``, ``resume``, ``checkpoint``, ``stragglers`` (detector settings) or
-    ``inject`` (a fault). ``grace_s``: a preemption's time to checkpoint; ``scheduled``: the
-    gang scheduler exists (a worker has joined)."""
-    if what == "stop":
+def request(job: LiveJob, ev: UserRequest, *, now: float, grace_s: float, scheduled: bool,
+            out: Outbox) -> Next:
+    """A user's request other than a size (the machine asks the scheduler about that) or a
+    knob change (:mod:`nbtrain.core.knobflow`'s): stop, preempt, resume, checkpoint, detector
+    settings or a fault to inject. ``grace_s``: a preemption's time to checkpoint;
+    ``scheduled``: the gang scheduler exists (a worker has joined)."""
+    if isinstance(ev, StopRequested):
         return _stop(job, out)
-    if what == "preempt":
+    if isinstance(ev, PreemptRequested):
         return _preempt(job, now, grace_s, scheduled, out)
-    if what == "resume":
+    if isinstance(ev, ResumeRequested):
         return _resume(job, now, scheduled, out)
-    if what == "checkpoint":
+    if isinstance(ev, CheckpointRequested):
         if job.gen is not None:
             job.checkpoint_seq += 1
             out.set_control(job, checkpoint=job.checkpoint_seq)
-    elif what == "stragglers":
-        if not isinstance(arg, Mapping):
-            out.add(Rejected(job.id, "straggler settings must be a mapping of setting names to "
-                                     f"values, e.g. {{'window': 16}}; got {type(arg).__name__}"))
-            return None
-        known = {f.name for f in dataclasses.fields(StragglerSettings)}
-        unknown = sorted(map(str, set(arg) - known))
-        if unknown:
-            out.add(Rejected(job.id, f"unknown straggler settings {unknown}; the settings "
-                                     f"are {', '.join(sorted(known))}"))
-            return None
-        try:  # settings a client sent: refused in words, never a failed job
-            events = job.stragglers.update(**arg)
-        except (TypeError, ValueError) as exc:
-            out.add(Rejected(job.id, str(exc)))
-            return None
-        for event in events:
-            out.publish(job, event)
-    elif what == "inject":
-        refused = inject_rejected(job, arg.rank)
-        if refused:
-            out.add(Rejected(job.id, refused))
-            return None
-        gen = job.gen
-        job.planned.append(arg)
-        if gen is not None:
-            out.add(Deliver(job.id, gen.addresses[arg.rank], arg))
+    elif isinstance(ev, StragglerTuningRequested):
+        _tune_stragglers(job, ev.changes, out)
+    elif isinstance(ev, FaultInjectionRequested):
+        _inject(job, ev.fault, out)
     else:
-        raise ValueError(f"unknown request {what!r}")
+        raise TypeError(f"no request handler for {type(ev).__name__}")
     return None
+
+
+def refused_when_ended(job: LiveJob, ev: UserRequest) -> str:
+    """Why an ended job refuses ``ev`` ("" for requests with nothing to do, said nothing)."""
+    if isinstance(ev, ResumeRequested):
+        return resume_rejected(job.name, job.state)
+    if isinstance(ev, FaultInjectionRequested):
+        return inject_rejected(job, ev.fault.rank)
+    return ""
+
+
+def _tune_stragglers(job: LiveJob, changes: Mapping[str, Any], out: Outbox) -> None:
+    known = {f.name for f in dataclasses.fields(StragglerSettings)}
+    unknown = sorted(map(str, set(changes) - known))
+    if unknown:
+        out.add(Rejected(job.id, f"unknown straggler settings {unknown}; the settings "
+                                 f"are {', '.join(sorted(known))}"))
+        return
+    try:  # settings a client sent: refused in words, never a failed job
+        events = job.stragglers.update(**changes)
+    except (TypeError, ValueError) as exc:
+        out.add(Rejected(job.id, str(exc)))
+        return
+    for event in events:
+        out.publish(job, event)
+
+
+def _inject(job: LiveJob, fault: Fault, out: Outbox) -> None:
+    refused = inject_rejected(job, fault.rank)
+    if refused:
+        out.add(Rejected(job.id, refused))
+        return
+    gen = job.gen
+    job.planned.append(fault)
+    if gen is not None:
+        out.add(Deliver(job.id, gen.addresses[fault.rank], fault))
 
 
 def _stop(job: LiveJob, out: Outbox) -> Next:

@@ -9,34 +9,26 @@ the knobs it declared (``knobs``) and the step every rank applied a change at
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from nbtrain.core.jobevents import knob_set_event
 from nbtrain.core.jobrecord import LiveJob
 from nbtrain.core.knobs import KnobError
 from nbtrain.core.lifecycle_types import Rejected
+from nbtrain.core.machine_events import KnobChangeRequested, RankKnobApplied, RankKnobs
 from nbtrain.core.outbox import Outbox
 
-__all__ = ["rank_message", "request_set"]
+__all__ = ["applied", "declared", "request_set"]
 
 
-def request_set(job: LiveJob, arg: Any, out: Outbox) -> None:
-    """``job.set(...)``: ``arg`` is ``{"values": {...}, "ramp": n, "shape": s, "who": w}``."""
+def request_set(job: LiveJob, ev: KnobChangeRequested, out: Outbox) -> None:
+    """``job.set(...)``: a pending change when the job's ``KnobBook`` takes it."""
     if job.state.terminal:
         out.add(Rejected(job.id, (
             f"job {job.name} has ended ({job.state.value}): its knobs can no longer change; "
             f"cluster.submit(..., replay=job) runs it again with the changes it had")))
         return
-    if not isinstance(arg, Mapping):
-        out.add(Rejected(job.id, f"a knob change is a mapping with 'values', got "
-                                 f"{type(arg).__name__}"))
-        return
     try:
-        change = job.knobs.request(
-            arg.get("values") or {}, ramp=arg.get("ramp", 0),
-            shape=arg.get("shape", "linear"), who=str(arg.get("who", "")), wall=out.wall,
-            job=f"job {job.name}")
+        change = job.knobs.request(ev.values, ramp=ev.ramp, shape=ev.shape, who=ev.who,
+                                   wall=out.wall, job=f"job {job.name}")
     except KnobError as exc:
         out.add(Rejected(job.id, str(exc)))
         return
@@ -44,19 +36,15 @@ def request_set(job: LiveJob, arg: Any, out: Outbox) -> None:
     out.set_control(job)  # the pending changes reach the ranks (no generation: at launch)
 
 
-def rank_message(job: LiveJob, msg: Mapping[str, Any], out: Outbox) -> None:
-    """Rank 0's ``knobs`` (its declarations; the caller passes the current generation's
-    only) or ``knob_applied``
-    (from any generation: its ranks did apply the change at that step, and a checkpoint
-    taken after it holds it)."""
-    kind = msg.get("kind")
-    if kind == "knobs":
-        specs = msg.get("specs")
-        if isinstance(specs, list | tuple):
-            job.knobs.declare(specs)
-    elif kind == "knob_applied":
-        changes = msg.get("changes")
-        step = msg.get("step")
-        if (isinstance(changes, list | tuple) and isinstance(step, int)
-                and job.knobs.applied(changes, step)):
-            out.set_control(job)  # no longer pending for the ranks
+def declared(job: LiveJob, ev: RankKnobs) -> None:
+    """Rank 0's ``knobs``: its declarations (the caller passes the current generation's
+    only)."""
+    if ev.specs is not None:
+        job.knobs.declare(list(ev.specs))
+
+
+def applied(job: LiveJob, ev: RankKnobApplied, out: Outbox) -> None:
+    """Rank 0's ``knob_applied`` (from any generation: its ranks did apply the change at
+    that step, and a checkpoint taken after it holds it)."""
+    if ev.step is not None and job.knobs.applied(ev.changes, ev.step):
+        out.set_control(job)  # no longer pending for the ranks

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 from dataclasses import replace
-from typing import Any
 
 from nbtrain.core import clusterevents as ce
 from nbtrain.core import jobflow, knobflow, progress
@@ -51,7 +50,6 @@ from nbtrain.core.explain import (
     queue_head_reason,
     rejected_reason,
     resize_rejected,
-    resume_rejected,
     slot_forgotten_reason,
     slot_lost_reason,
     unit,
@@ -77,15 +75,14 @@ from nbtrain.core.lifecycle_types import (
     MachineConfig,
     RankExit,
     RankFailureInfo,
-    RankMessage,
     Rejected,
-    Request,
     RestartWorkers,
     Submitted,
     Tick,
     WorkerJoined,
     WorkerLeft,
 )
+from nbtrain.core.machine_events import KnobChangeRequested, RankEvent, SizeRequested, UserRequest
 from nbtrain.core.mesh import MeshPlan, RankPlace, mesh_plan
 from nbtrain.core.mitigation import SlotInfo
 from nbtrain.core.outbox import Outbox
@@ -114,7 +111,6 @@ from nbtrain.core.slotbook import SlotBook, SlotView
 from nbtrain.core.watchdog import GenerationWatch, Hang, Slow
 
 __all__ = ["JobMachine", "SlotView"]
-
 
 
 class JobMachine:
@@ -153,7 +149,7 @@ class JobMachine:
         return self._out.take()
 
     def _dispatch(self, event: Event) -> None:
-        if isinstance(event, RankMessage):
+        if isinstance(event, RankEvent):
             self._on_rank_message(event)
         elif isinstance(event, RankExit):
             self._on_rank_exit(event)
@@ -161,7 +157,7 @@ class JobMachine:
             self._on_tick()
         elif isinstance(event, Submitted):
             self._on_submitted(event.job)
-        elif isinstance(event, Request):
+        elif isinstance(event, UserRequest):
             self._on_request(event)
         elif isinstance(event, WorkerJoined):
             self._on_worker_joined(event)
@@ -491,11 +487,11 @@ class JobMachine:
         self._out.add(RestartWorkers(tuple(todo), reason))
 
     # ================================================================== rank events
-    def _on_rank_message(self, ev: RankMessage) -> None:
+    def _on_rank_message(self, ev: RankEvent) -> None:
         job = self._jobs.get(ev.job_id)
         if job is None:
             return
-        after = progress.message(job, ev.msg, self.now, self._out)
+        after = progress.message(job, ev, self.now, self._out)
         if after is progress.After.COMMITTED and self.sched is not None:
             self._sched(Checkpointed(self.now, job.id))
         elif after is progress.After.MITIGATE:
@@ -734,34 +730,31 @@ class JobMachine:
                               now=self.now, out=self._out)
 
     # ================================================================== requests
-    def _on_request(self, ev: Request) -> None:
+    def _on_request(self, ev: UserRequest) -> None:
         job = self._jobs.get(ev.job_id)
         if job is None:
             return
-        if ev.what == "set":  # live knobs (core/knobflow.py), ended jobs included
-            knobflow.request_set(job, ev.arg, self._out)
+        if isinstance(ev, KnobChangeRequested):  # live knobs (core/knobflow.py), ended too
+            knobflow.request_set(job, ev, self._out)
             return
         if job.state.terminal:  # nothing to do, but say so for what cannot be done at all
-            refused = (resume_rejected(job.name, job.state) if ev.what == "resume"
-                       else jobflow.inject_rejected(job, ev.arg.rank) if ev.what == "inject"
-                       else "")
+            refused = jobflow.refused_when_ended(job, ev)
             if refused:
                 self._out.add(Rejected(job.id, refused))
             return
-        if ev.what == "resize":
-            self._request_resize(job, ev.arg)
+        if isinstance(ev, SizeRequested):
+            self._request_resize(job, ev)
             return
         self._follow(job, jobflow.request(
-            job, ev.what, ev.arg, now=self.now, grace_s=self.sched_config.preempt_grace_s,
+            job, ev, now=self.now, grace_s=self.sched_config.preempt_grace_s,
             scheduled=self.sched is not None, out=self._out))
 
-    def _request_resize(self, job: LiveJob, arg: Any) -> None:
+    def _request_resize(self, job: LiveJob, ev: SizeRequested) -> None:
         """The user asks for ``size`` ranks. Out of the job's bounds, or above the cluster's
         slots without ``wait_for_workers``: ``Rejected`` with the numbers. Otherwise the
         scheduler decides: at once when the slots are there (a shrink always is), else the
         job keeps its size and grows when enough slots are free at once."""
-        arg = dict(arg)
-        size, wait_for_workers = int(arg["size"]), bool(arg.get("wait_for_workers"))
+        size, wait_for_workers = ev.size, ev.wait_for_workers
         spec = job.spec
         kind = self._kind_of(job) or self._job_kind(job.id)
         reject = resize_rejected(

@@ -9,7 +9,7 @@ avoided), so a replacement loses no committed step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from nbtrain.core.gpu_health import device_errors, throttling
@@ -41,7 +41,7 @@ class StragglerWatch:
         self.devices = {}  # the new generation's ranks may sit on other GPUs
         return events
 
-    def observe(self, rank: int, rows: Iterable[list[Any]]) -> list[dict[str, Any]]:
+    def observe(self, rank: int, rows: Iterable[Sequence[Any]]) -> list[dict[str, Any]]:
         changes = self.detector.observe(StepRecord.from_row(rank, row) for row in rows)
         return [_straggler_event(self._with_device(d).to_event()) for d in changes]
 

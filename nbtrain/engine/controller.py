@@ -50,7 +50,7 @@ from nbtrain.core.clusterevents import (
     worker_refused_event,
 )
 from nbtrain.core.health import hung_ranks, rank_stacks
-from nbtrain.core.jobevents import tracker_event
+from nbtrain.core.jobevents import generation_of, tracker_event
 from nbtrain.core.lifecycle import JobMachine
 from nbtrain.core.lifecycle_types import (
     AbortCollectives,
@@ -69,7 +69,6 @@ from nbtrain.core.lifecycle_types import (
     Publish,
     RankExit,
     RankFailureInfo,
-    RankMessage,
     Rejected,
     RestartWorkers,
     SetControl,
@@ -78,6 +77,7 @@ from nbtrain.core.lifecycle_types import (
     WorkerJoined,
     WorkerLeft,
 )
+from nbtrain.core.machine_events import RankCheckpoint, RankSteps, UnknownKind, rank_from_wire
 from nbtrain.core.rankseal import RankSeals
 from nbtrain.core.sched_types import SchedulerConfig
 from nbtrain.engine.assets import PLUGIN_NAME, JobAssets, token_hash
@@ -145,6 +145,7 @@ class ClusterController(SchedulerPlugin):
         #: Rank events refused (a wrong seal: not from the generation's ranks), per job.
         self.refused_events: dict[str, int] = {}
         self._refusal_logged: dict[str, float] = {}
+        self._ignored_kinds: dict[str, set[str]] = {}  # job -> rank message kinds it sent
         self.cluster_log = Tail(2_000)
         self.ended: deque[str] = deque()
         self._news = asyncio.Event()  # set (and replaced) whenever a follower has news
@@ -399,7 +400,7 @@ class ClusterController(SchedulerPlugin):
         elif isinstance(c, Launch):
             # Before the launch task runs, so a request that follows at once is not lost.
             self.assets[c.job_id].control = {
-                "gen": c.generation, "version": 0, "flags": dict(c.control),
+                "generation": c.generation, "version": 0, "flags": dict(c.control),
                 "knobs": list(c.knobs.get("pending", ()))}
             self.seals.open(c.job_id, c.generation, secrets.token_hex(16))
             self._spawn(self._launch(c))
@@ -407,8 +408,8 @@ class ClusterController(SchedulerPlugin):
             held = self.assets.get(c.job_id)
             if held is not None:
                 version = int(held.control.get("version", 0)) + 1
-                held.control = {"gen": c.generation, "version": version, "flags": dict(c.flags),
-                                "knobs": [dict(k) for k in c.knobs]}
+                held.control = {"generation": c.generation, "version": version,
+                                "flags": dict(c.flags), "knobs": [dict(k) for k in c.knobs]}
                 self._wake_control()
         elif isinstance(c, EndGeneration):
             self._end_generation(c.job_id, c.generation)
@@ -646,8 +647,9 @@ class ClusterController(SchedulerPlugin):
             with contextlib.suppress(Exception):
                 fut.release()
         assets.rendezvous.pop(generation, None)
-        if assets.control.get("gen") == generation:
-            assets.control = {"gen": generation, "version": -1, "flags": {}, "ended": True}
+        if assets.control.get("generation") == generation:
+            assets.control = {"generation": generation, "version": -1, "flags": {},
+                              "ended": True}
         self._wake_control()
         self.wake_rendezvous()
 
@@ -687,7 +689,7 @@ class ClusterController(SchedulerPlugin):
     def _sealed(self, msg: Mapping[str, Any]) -> bool:
         """Whether a rank event comes from its generation's ranks (``nbtrain.core.rankseal``);
         others are counted per job and noted in the cluster's log at most every 10 s."""
-        job_id, gen, rank = msg.get("job"), msg.get("gen"), msg.get("rank")
+        job_id, gen, rank = msg.get("job"), generation_of(msg), msg.get("rank")
         if (isinstance(job_id, str) and isinstance(gen, int) and isinstance(rank, int)
                 and self.seals.admits(job_id, gen, rank, msg.get("seq"), str(msg.get("kind")),
                                       msg.get("seal"))):
@@ -704,26 +706,43 @@ class ClusterController(SchedulerPlugin):
         return False
 
     def _rank_event(self, msg: Mapping[str, Any]) -> None:
+        """A sealed rank message: the rank's output to its log, anything else turned into the
+        machine's typed event once, here. A kind no event stands for (a rank runtime of
+        another version) is ignored, and said once per job and kind; fields the event cannot
+        read raise (the caller fails the job: its own rank sent them)."""
         job_id = str(msg.get("job"))
         assets = self.assets.get(job_id)
         if assets is None:
             return
-        kind = msg.get("kind")
-        if kind == "log":  # the rank's output: for the views, nothing for the machine to decide
+        if msg.get("kind") == "log":  # the rank's output: for the views, nothing to decide
             assets.log.add_output(msg)
             self.wake()
             return
-        if kind == "steps":
-            assets.log.add_rows(int(msg["gen"]), int(msg["rank"]), msg["rows"])
-            if assets.trackers is not None:
-                gen, rank = int(msg["gen"]), int(msg["rank"])
-                assets.trackers.rows([(gen, rank, *row) for row in msg["rows"]])
         now, wall = self.now()
-        committed = kind == "checkpoint" and msg.get("phase") == "committed"
+        try:
+            event = rank_from_wire(now, wall, job_id, msg)
+        except UnknownKind as exc:
+            self._ignored_kind(job_id, str(msg.get("kind")), str(exc))
+            return
+        if isinstance(event, RankSteps):
+            assets.log.add_rows(event.generation, event.rank, event.rows)
+            if assets.trackers is not None:
+                assets.trackers.rows([(event.generation, event.rank, *row)
+                                      for row in event.rows])
+        committed = isinstance(event, RankCheckpoint) and event.phase == "committed"
         # a restart resumes from a committed checkpoint: journal it as soon as it is fed
-        self.put(RankMessage(now, wall, job_id, msg),
-                 (lambda: self.journal_status(job_id)) if committed else None)
+        self.put(event, (lambda: self.journal_status(job_id)) if committed else None)
         self.wake()
+
+    def _ignored_kind(self, job_id: str, kind: str, reason: str) -> None:
+        """A rank message of an unknown kind: dropped, noted once per job and kind."""
+        noted = self._ignored_kinds.setdefault(job_id, set())
+        if kind in noted or len(noted) >= 16:
+            return
+        noted.add(kind)
+        logger.warning("nbtrain controller: job %s: %s (ignored)", job_id, reason)
+        self.cluster_log.extend([{"kind": "refused", "job": job_id, "time": time.time(),
+                                  "count": 1, "reason": f"{reason}: ignored"}])
 
     # ================================================================== bookkeeping
     def _job_ended(self, job_id: str) -> None:
@@ -739,6 +758,7 @@ class ClusterController(SchedulerPlugin):
             self.assets.pop(old, None)
             self.seals.forget(old)
             self.refused_events.pop(old, None)
+            self._ignored_kinds.pop(old, None)
             self._refusal_logged.pop(old, None)
 
     def job_ids(self) -> list[str]:
@@ -797,11 +817,9 @@ class ClusterController(SchedulerPlugin):
 
 
 def _label(event: Event) -> str:
-    """What an event was, for the decision figures (a rank message with its kind and rows)."""
-    if isinstance(event, RankMessage):
-        rows = event.msg.get("rows")
-        extra = f" {len(rows)} rows" if isinstance(rows, list | tuple) else ""
-        return f"RankMessage {event.msg.get('kind')}{extra}"
+    """What an event was, for the decision figures (step rows with their count)."""
+    if isinstance(event, RankSteps):
+        return f"RankSteps {len(event.rows)} rows"
     return type(event).__name__
 
 

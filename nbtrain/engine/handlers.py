@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 from nbtrain.config import CLIENT_ONLY, Settings
 from nbtrain.core.explain import resume_rejected
-from nbtrain.core.faults import Fault
 from nbtrain.core.job import JobState
 from nbtrain.core.jobevents import state_event
-from nbtrain.core.lifecycle_types import Rejected, Request, Submitted
+from nbtrain.core.lifecycle_types import Rejected, Submitted
+from nbtrain.core.machine_events import REQUEST_KINDS, request_from_wire
 from nbtrain.core.rankseal import secret_matches
 from nbtrain.engine.access import (
     Role,
@@ -47,8 +47,7 @@ if TYPE_CHECKING:
 __all__ = ["install"]
 
 #: Requests a job's owner (or the operator) may make.
-REQUESTS = ("stop", "preempt", "resume", "checkpoint", "inject", "stragglers", "resize",
-            "set")
+REQUESTS = REQUEST_KINDS
 #: Largest argument of a request (as JSON): a knob change or detector settings.
 REQUEST_ARG_MAX_BYTES = 64 << 10
 #: After the first news, a follower waits this long so rows of all ranks come in one reply.
@@ -209,16 +208,10 @@ def apply_request(ctl: ControllerPort, job_id: str, what: str, arg: Any = None
                              "can no longer change; cluster.submit(..., replay=job) runs it "
                              "again with the changes it had")
         return status
-    # Parsed here; judged (the rank's bound, whether the job may resume) by the machine.
-    if what == "inject":
-        arg = Fault.from_dict(dict(arg))
-    if what == "resize":
-        arg = dict(arg)
-        if not isinstance(arg.get("size"), int) or isinstance(arg["size"], bool):
-            raise TypeError(f"resize(n): n must be an integer number of ranks, got "
-                            f"{arg.get('size')!r}")
+    # Read here, once, into the machine's typed event (a field it cannot read raises);
+    # judged (the rank's bound, whether the job may resume) by the machine.
     now, wall = ctl.now()
-    commands = ctl.feed(Request(now, wall, job_id, what, arg))
+    commands = ctl.feed(request_from_wire(now, wall, job_id, what, arg))
     rejected = [c for c in commands if isinstance(c, Rejected) and c.job_id == job_id]
     if rejected:
         raise ValueError(rejected[0].reason)
@@ -549,7 +542,7 @@ async def control(ctl: ControllerPort, *, job_id: str, generation: int, version:
     deadline = loop.time() + timeout
     while True:
         state = ctl.control_state(job_id)
-        if not state or state.get("ended") or state.get("gen") != generation:
+        if not state or state.get("ended") or state.get("generation") != generation:
             return {"ended": True, "version": -1, "flags": {}}
         if int(state.get("version", 0)) != version:
             return {"ended": False, "version": state["version"], "flags": state["flags"],

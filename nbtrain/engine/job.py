@@ -21,6 +21,7 @@ import pandas as pd
 
 from nbtrain.core.faults import Fault
 from nbtrain.core.job import JobSpec, JobState
+from nbtrain.core.jobevents import generation_of
 from nbtrain.core.jobrecord import JobStatus
 from nbtrain.core.knobs import KnobState, check_change, knob_state
 from nbtrain.core.records import JOB_ROW_COLUMNS
@@ -380,11 +381,12 @@ class JobHandle:
         for e in self.events:
             if e["kind"] != "memory":
                 continue
-            if int(e["gen"]) > gen:
-                newest, gen = {}, int(e["gen"])
-            if int(e["gen"]) == gen:
-                newest[int(e["rank"])] = {k: v for k, v in e.items()
-                                          if k not in ("kind", "job", "rank", "gen", "time")}
+            generation = int(generation_of(e))
+            if generation > gen:
+                newest, gen = {}, generation
+            if generation == gen:
+                newest[int(e["rank"])] = {k: v for k, v in e.items() if k not in (
+                    "kind", "job", "rank", "generation", "gen", "time")}
         return newest
 
     def goodput(self) -> dict[str, float]:

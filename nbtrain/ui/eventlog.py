@@ -153,7 +153,7 @@ class EventLog:
         self.failures += 1
         return Alert(when, "error", "rank_failed",
                      f"rank {_q(ev.rank)} failed at step {_q(ev.step)} "
-                     f"(generation {_q(ev.gen)}): {_first_line(ev.error)}")
+                     f"(generation {_q(ev.generation)}): {_first_line(ev.error)}")
 
     def _on_checkpoint(self, ev: CheckpointRecord, when: float | None) -> Alert | None:
         ck = self.checkpoint
@@ -283,7 +283,7 @@ class EventLog:
 
     def _on_memory(self, ev: MemoryRecord, when: float | None) -> None:
         """A rank's state bytes after its generation's first step (no alert: a panel line)."""
-        rank, gen = ev.rank, ev.gen
+        rank, gen = ev.rank, ev.generation
         if rank is None or gen is None or gen < self.memory_generation:
             return None
         if gen > self.memory_generation:
@@ -351,7 +351,7 @@ class EventLog:
         return None
 
     def _generic(self, ev: EventRecord, when: float | None) -> Alert:
-        skip = {"kind", "time", "rank", "gen"}
+        skip = {"kind", "time", "rank", "generation", "gen"}
         detail = ", ".join(f"{k}={v}" for k, v in ev.raw.items() if k not in skip)
         rank = f"rank {ev.raw['rank']}: " if "rank" in ev.raw else ""
         return Alert(when, "info", ev.kind, f"{ev.kind}: {rank}{detail}")
