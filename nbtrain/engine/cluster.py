@@ -41,7 +41,7 @@ from nbtrain.engine.job import JobHandle
 from nbtrain.engine.remote import Follower, Remote
 from nbtrain.engine.tokens import TokenStore
 from nbtrain.engine.topoview import TopologyView
-from nbtrain.engine.trackers import TrackerSpec, parse_trackers
+from nbtrain.engine.trackers import Tracker, TrackerSpec, split_trackers
 from nbtrain.engine.wire import plain, submission_to_wire
 from nbtrain.engine.workers import NbtrainWorker
 from nbtrain.runtime.function import TrainFunction
@@ -254,7 +254,7 @@ class Cluster:
                stragglers: str | MitigationSettings = "alert",
                device: str = "auto",
                on_nonfinite: str = "alert",
-               trackers: Sequence[str | TrackerSpec] | None = None,
+               trackers: Sequence[str | TrackerSpec | Tracker] | None = None,
                mesh: Mapping[str, int] | None = None, replay: Any = None) -> JobHandle:
         """Start a training job on ``world_size`` slots at once (gang), or queue it.
 
@@ -292,7 +292,9 @@ class Cluster:
           the newest committed checkpoint stays the last good state; FAILED).
         - ``trackers``: ``"tensorboard:LOGDIR"``, ``"mlflow:TRACKING_URI"`` (e.g.
           ``mlflow:file:///home/me/mlruns``): the controller writes every step's metrics
-          and phase times, checkpoints and faults there (it must reach the target).
+          and phase times, checkpoints and faults there (it must reach the target);
+          ``"wandb:PROJECT"`` and your own ``nbtrain.Tracker`` objects run in this notebook
+          instead (your credentials stay here; see ``nbtrain.engine.trackers``).
         - ``mesh``: the device mesh, ``{"dp": 2, "tp": 2}`` (``dp`` follows from the world
           size): each TP group is placed inside one NVLink domain (declared with worker
           labels on CPU clusters), DP outermost; each rank gets ``ctx.mesh`` (a
@@ -356,7 +358,8 @@ class Cluster:
                              peer_release_s=s.peer_release_s,
                              failure_grace_s=s.failure_grace_s),
             resume_step=resume_step, knob_history=_replayed(replay))
-        tracked = [plain(t) for t in parse_trackers(trackers)]
+        on_controller, here = split_trackers(trackers)
+        tracked = [plain(t) for t in on_controller]
         reply = self._remote.call(
             "nbtrain_submit", job=submission_to_wire(sub), recipe=payload,
             settings=s.for_jobs(), checkpoint_url=url,
@@ -367,6 +370,8 @@ class Cluster:
         handle = JobHandle(spec, self, token=token, checkpoint_url=url, status=reply["status"],
                            follow=True)
         self._handles[job_id] = handle
+        if here:
+            handle.track(*here)
         return handle
 
     # -- lifecycle ------------------------------------------------------------------------

@@ -294,8 +294,14 @@ class ClusterController(SchedulerPlugin):
         from nbtrain.engine.trackers import TrackerSink, TrackerSpec
 
         jid = assets.spec.job_id
+        specs = [TrackerSpec(**dict(t)) for t in trackers]
+        for spec in specs:
+            if spec.where != "controller":
+                raise ValueError(f"the {spec.kind} tracker at {spec.target} runs in the "
+                                 "client (where='client'); the controller runs only "
+                                 "TrackerSpec(..., where='controller')")
         assets.trackers = TrackerSink(
-            [TrackerSpec(**dict(t)) for t in trackers], run=f"{assets.spec.name}-{jid}",
+            specs, run=f"{assets.spec.name}-{jid}",
             params=assets.spec.describe(),
             on_error=lambda message: self.publish_from_thread(
                 jid, dict(tracker_event(message))))

@@ -87,6 +87,7 @@ class JobHandle:
         self._frame: pd.DataFrame | None = None  # job.metrics as last built ...
         self._frame_end = 0  # ... up to this row position
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
+        self._trackers: list[Any] = []  # client-side TrackerSinks (track())
         self._following = False
         self._problem: str | None = None
         self._unreachable_since: float | None = None
@@ -332,6 +333,29 @@ class JobHandle:
         if index < base:
             rows = self._fetch_rows(index, base) + rows
         return rows, end
+
+    def track(self, *trackers: Any) -> None:
+        """Feed trackers from this notebook: ``"wandb:PROJECT"``, any ``"KIND:TARGET"``
+        (run here instead of in the controller), a ``TrackerSpec`` or your own
+        ``nbtrain.Tracker`` object. They get the job's history kept so far, then every new
+        step, checkpoint and fault, while this kernel follows the job (``submit(...,
+        trackers=...)`` does this for client-side trackers)."""
+        from nbtrain.engine.trackers import TrackerSink, TrackerSpec, parse_trackers
+
+        items = [parse_trackers([t])[0] if isinstance(t, str) else t for t in trackers]
+        items = [TrackerSpec(t.kind, t.target, t.experiment, "client")
+                 if isinstance(t, TrackerSpec) else t for t in items]
+        sink = TrackerSink(items, run=f"{self.spec.name}-{self.id}",
+                           params=self.spec.describe(),
+                           on_error=lambda msg: _log.warning("%s: %s", self.name, msg))
+        with self._lock:  # the history so far, then the updates: nothing twice or missed
+            sink.rows(list(self._rows.items))
+            for event in self._events.items:
+                sink.event(event)
+            self._trackers.append(sink)
+            ended = JobState(self._status.state).terminal and self._done.is_set()
+        if ended:  # the end already passed through the history's events
+            self._trackers.remove(sink)
 
     def subscribe(self, listener: Callable[[dict[str, Any]], None]) -> None:
         """Call ``listener(event)`` for each future non-step event (on the cluster's follower
@@ -690,9 +714,11 @@ class JobHandle:
             self._unreachable_since = None
             self._rewind(update)
             rows = update.get("rows") or []
+            new_rows: list[tuple[Any, ...]] = []
             if rows:
-                self._rows.put(int(update.get("rows_at", self._rows.end)),
-                               [tuple(r) for r in rows])
+                at = int(update.get("rows_at", self._rows.end))
+                new_rows = [tuple(r) for r in rows[max(0, self._rows.end - at):]]
+                self._rows.put(at, [tuple(r) for r in rows])
             events = update.get("events") or []
             if events:
                 at = int(update.get("events_at", self._events.end))
@@ -710,6 +736,11 @@ class JobHandle:
                        and self._events.end >= int(update.get("events_end", self._events.end)))
             terminal = JobState(self._status.state).terminal
             listeners = list(self._listeners)
+            sinks = list(self._trackers)
+        for sink in sinks:  # enqueue only: their own thread writes
+            sink.rows(new_rows)
+            for event in new_events:
+                sink.event(event)
         for event in new_events:
             for listener in listeners:
                 with contextlib.suppress(Exception):  # a broken view must not stop following
