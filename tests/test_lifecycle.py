@@ -73,9 +73,10 @@ class Harness:
 
     def submit(self, job_id: str, world_size: int = 2, *, priority: int = 0,
                team: str = "default", queue: bool = True, max_restarts: int = 3,
-               faults: Iterable[Fault] = ()) -> list[Command]:
+               faults: Iterable[Fault] = (), fail_fast: bool = True) -> list[Command]:
         spec = JobSpec(job_id=job_id, name=f"job-{job_id}", world_size=world_size, steps=1000,
-                       priority=priority, team=team, queue=queue, max_restarts=max_restarts)
+                       priority=priority, team=team, queue=queue, max_restarts=max_restarts,
+                       fail_fast=fail_fast)
         return self.feed(Submitted, JobSubmission(spec=spec, policy=POLICY, faults=tuple(faults)))
 
     def steps(self, job_id: str, gen: int, upto: int, ranks: Iterable[int] = (0, 1),
@@ -198,7 +199,7 @@ def test_exception_releases_peers_then_recovers_on_a_spare_avoiding_the_failed_s
 
 def test_restart_budget_exhausted_fails_with_every_fault() -> None:
     h = Harness()
-    h.submit("a", 2, max_restarts=1)
+    h.submit("a", 2, max_restarts=1, fail_fast=False)
     for gen in (0, 1):
         h.steps("a", gen, 5)
         h.fail("a", gen, 0)
@@ -211,6 +212,46 @@ def test_restart_budget_exhausted_fails_with_every_fault() -> None:
     assert "restart budget spent (max_restarts=1" in h.reason("a")
     error = h.m.status("a").error or ""
     assert error.count("exception on rank 0") == 2 and "Traceback" in error
+
+
+def _fail_twice(h: Harness, steps: tuple[int, int], errors: tuple[str, str]) -> None:
+    for gen in (0, 1):
+        h.steps("a", gen, 5)
+        h.fail("a", gen, 1, step=steps[gen], error=errors[gen])
+        h.fail("a", gen, 0, peer=True, step=steps[gen])
+        h.advance(1.0)
+        for slot in h.m.slots():
+            if slot["state"] == "restarting":
+                h.join()
+
+
+def test_fail_fast_ends_a_job_whose_code_raises_the_same_at_the_same_step() -> None:
+    h = Harness()
+    h.submit("a", 2, max_restarts=3)
+    _fail_twice(h, (7, 7), ("KeyError: 'lr'", "KeyError: 'lr'"))
+    assert h.state("a") == "FAILED"
+    assert h.reason("a").startswith("the same exception twice at step 7 on rank 1: KeyError")
+    assert "fail_fast=False" in h.reason("a")
+    assert h.m.status("a").restarts == 1  # one retry, not the whole budget
+
+
+@pytest.mark.parametrize(("steps", "errors"), [
+    ((7, 9), ("KeyError: 'lr'", "KeyError: 'lr'")),  # another step: not the same
+    ((7, 7), ("OSError: disk", "OSError: network")),  # another message
+])
+def test_fail_fast_retries_exceptions_that_differ(steps: tuple[int, int],
+                                                  errors: tuple[str, str]) -> None:
+    h = Harness()
+    h.submit("a", 2, max_restarts=3)
+    _fail_twice(h, steps, errors)
+    assert h.state("a") != "FAILED" and h.m.status("a").restarts == 2
+
+
+def test_without_fail_fast_the_same_exception_is_retried() -> None:
+    h = Harness()
+    h.submit("a", 2, max_restarts=3, fail_fast=False)
+    _fail_twice(h, (7, 7), ("KeyError: 'lr'", "KeyError: 'lr'"))
+    assert h.state("a") != "FAILED" and h.m.status("a").restarts == 2
 
 
 def test_zero_restarts_fails_at_the_first_fault() -> None:

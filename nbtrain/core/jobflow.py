@@ -21,7 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from nbtrain.core.clusterevents import job_line_event
-from nbtrain.core.explain import fault_list, restart_budget, resume_rejected
+from nbtrain.core.explain import (
+    fault_list,
+    repeated_exception,
+    restart_budget,
+    resume_rejected,
+)
 from nbtrain.core.faults import Fault
 from nbtrain.core.job import JobState
 from nbtrain.core.jobevents import preemption_event, resize_event, uncommitted_event
@@ -374,6 +379,11 @@ def generation_failed(job: LiveJob, gen: Generation, fault: dict[str, Any], *, n
         job.preempt = None
         return EndJob(JobState.CANCELLED,
                       f"stopped by user; a rank failed meanwhile: {fault['error']}")
+    repeated = repeated_exception(job.fault_log) if spec.fail_fast else None
+    if repeated is not None:
+        job.preempt = None
+        job.error = f"{repeated}; faults: {fault_list(job.fault_log)}\n\n{fault['_report']}"
+        return EndJob(JobState.FAILED, repeated)
     recent = [t for t in job.restarts if now - t < spec.restart_window_s]
     if len(recent) >= spec.max_restarts:
         job.preempt = None

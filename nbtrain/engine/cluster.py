@@ -249,7 +249,7 @@ class Cluster:
                queue: bool = True, seed: int = 0, priority: int = 0,
                team: str = "default", checkpoint: int | str | None = "auto",
                resume: str | None = None, max_restarts: int = 3,
-               restart_window_s: float = 3600.0,
+               restart_window_s: float = 3600.0, fail_fast: bool = True,
                faults: list[Fault] | None = None,
                stragglers: str | MitigationSettings = "alert",
                device: str = "auto",
@@ -281,6 +281,9 @@ class Cluster:
         - ``resume``: ``"latest"`` (newest committed checkpoint of a job with this ``name``),
           or a checkpoint directory / ``step-XXXXXXXX`` URL.
         - ``max_restarts`` within ``restart_window_s``: automatic recoveries before FAILED.
+        - ``fail_fast`` (default True): an exception with the same message on the same rank
+          at the same step as the fault before it (a bug, not a flaky node) fails the job at
+          once, after one retry; False retries it like any fault.
         - ``faults``: planned faults (``nbtrain.Fault``) for teaching and tests.
         - ``stragglers``: mitigation policy, ``"alert"`` (report only) or ``"replace"``
           (restart the gang without a confirmed straggler's slot, with a cooldown), or a
@@ -331,6 +334,7 @@ class Cluster:
                        max_size=max_size, queue=queue, seed=seed,
                        priority=priority, team=team, checkpoint=checkpoint, resume=resume,
                        max_restarts=max_restarts, restart_window_s=restart_window_s,
+                       fail_fast=fail_fast,
                        on_nonfinite=on_nonfinite, device=device,
                        mesh=dict(mesh) if mesh is not None else None,
                        extra={"kind": "recipe" if is_recipe else "function"})
