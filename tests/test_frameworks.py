@@ -13,7 +13,7 @@ import torch
 
 import nbtrain
 from nbtrain import Fault, JobState
-from tests.frameworks import accelerate_train, fabric_train, hf_trainer_train
+from nbtrain.framework_examples import accelerate_train, fabric_train, hf_trainer_train
 
 pytestmark = pytest.mark.slow
 STEPS = 12

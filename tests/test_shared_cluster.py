@@ -155,12 +155,14 @@ def test_fair_share_gives_teams_slot_time_in_their_weights(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
-def test_fifty_worker_restarts_leave_the_slot_count_unchanged() -> None:
+def test_twenty_worker_restarts_leave_the_slot_count_unchanged() -> None:
+    # Twenty: each worker restarted ten times, many within Dask's 15 s window in which a
+    # SpecCluster used to close a worker restarted twice (the bug this guards against).
     with nbtrain.connect(n_workers=2) as c:
         slot_ids = {s["slot"] for s in c.snapshot()["slots"]}
         assert len(slot_ids) == 2
         restarts = 0
-        while restarts < 50:
+        while restarts < 20:
             before = set(c.slots)
             pids = c.client.run(os.getpid)
             for address in before:

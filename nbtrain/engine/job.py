@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 __all__ = ["JobFailedError", "JobHandle"]
 
 _log = logging.getLogger(__name__)
+#: How long wait() lets each text view finish printing once the job ended.
+FINISH_VIEWS_S = 5.0
 #: What a handle keeps in memory without a cluster's settings (``Settings.handle_rows_kept``).
 ROWS_KEPT = 50_000
 EVENTS_KEPT = 20_000
@@ -88,6 +90,8 @@ class JobHandle:
         self._frame_end = 0  # ... up to this row position
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
         self._trackers: list[Any] = []  # client-side TrackerSinks (track())
+        #: Views to let finish when wait() sees the end (see finish_with).
+        self._finishers: list[Callable[[float], None]] = []
         self._following = False
         self._problem: str | None = None
         self._unreachable_since: float | None = None
@@ -560,10 +564,23 @@ class JobHandle:
 
         return load_checkpoint(self, step).state
 
+    def finish_with(self, finisher: Callable[[float], None]) -> None:
+        """``finisher(timeout_s)`` is called by :meth:`wait` once the job ended, before it
+        returns: a text view prints its last lines then, inside the cell that waited
+        (printed later, from its own thread, they would reach no cell)."""
+        with self._lock:
+            self._finishers.append(finisher)
+
     def wait(self, timeout: float | None = None) -> JobState:
         """Block until the job ends; return its final state. Raises TimeoutError."""
         self._follow()
-        if not self._done.wait(timeout):
+        if self._done.wait(timeout):
+            with self._lock:  # kept: the view's own thread waits too, and returns at once
+                finishers = list(self._finishers)
+            for finish in finishers:
+                with contextlib.suppress(Exception):  # a view never fails the wait
+                    finish(FINISH_VIEWS_S)
+        else:
             lost = self.unreachable_since
             if lost is not None:
                 raise TimeoutError(

@@ -383,6 +383,10 @@ class JobDashboard(widgets.VBox):
         return panel
 
 
+#: How long the text view's thread leaves the last lines to a caller of ``job.wait()``.
+TAIL_CLAIM_S = 0.5
+
+
 class TextProgress:
     """Headless view: a progress line every ``interval_s``, a line per alert and the ranks'
     output (``[rank 1 g0] ...``), until the job ends, printed from a daemon thread so
@@ -406,10 +410,28 @@ class TextProgress:
         self._event_index = 0
         self._output_index = 0
         self._stop = threading.Event()
+        self._claimed = threading.Event()  # a waiting caller prints the tail (finish)
+        self._tail_lock = threading.Lock()
+        self._tail_done = False
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"nbtrain-progress-{job.name}")
+        finish_with = getattr(job, "finish_with", None)
+        if callable(finish_with):
+            finish_with(self.finish)
         if start:
             self._thread.start()
+
+    def finish(self, timeout: float) -> None:
+        """The job ended and ``job.wait()`` returns: print the last lines here, in the caller's
+        thread. A notebook shows what a thread prints in the cell that started it, and
+        papermill keeps no output a cell prints after it finished; the waiting cell is
+        running."""
+        if threading.current_thread() is self._thread:
+            return  # the view's own wait: its thread prints the tail itself
+        self._claimed.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._tail()
 
     def _print(self, text: str) -> None:
         print(text, file=self.out or sys.stdout, flush=True)
@@ -419,24 +441,36 @@ class TextProgress:
         from nbtrain.ui.text import progress_line
 
         last = ""
-        while not self._stop.is_set():
-            done = self.job.done
+        while not self._stop.is_set() and not self._claimed.is_set():
+            if self.job.done:
+                break
             self._print_alerts()
             line = progress_line(self.job)
             if line != last:
                 self._print(line)
                 last = line
-            if done:
-                break
             with contextlib.suppress(TimeoutError):
                 self.job.wait(timeout=self.interval_s)
-        self._print_alerts()
-        ck = self.eventlog.checkpoint
-        if ck.committed_step is not None:
-            self._print(f"[{self.job.name}] checkpoint: {ck.describe(time.time())}")
-        if self.eventlog.memory:
-            self._print(f"[{self.job.name}] {self.eventlog.describe_memory()}")
-        self._print(f"[{self.job.name}] {self.job.status.value}: {self.job.reason}")
+        if not self._claimed.wait(TAIL_CLAIM_S):  # nobody waits on the job: print it here
+            self._tail()
+
+    def _tail(self) -> None:
+        """The last lines, once: alerts not shown yet, the final progress line, the newest
+        checkpoint, the state per rank, and how the job ended."""
+        from nbtrain.ui.text import progress_line
+
+        with self._tail_lock:
+            if self._tail_done:
+                return
+            self._tail_done = True
+            self._print_alerts()
+            self._print(progress_line(self.job))
+            ck = self.eventlog.checkpoint
+            if ck.committed_step is not None:
+                self._print(f"[{self.job.name}] checkpoint: {ck.describe(time.time())}")
+            if self.eventlog.memory:
+                self._print(f"[{self.job.name}] {self.eventlog.describe_memory()}")
+            self._print(f"[{self.job.name}] {self.job.status.value}: {self.job.reason}")
 
     def _print_alerts(self) -> None:
         from nbtrain.runtime.output import format_lines

@@ -1,6 +1,11 @@
 """Training functions that run other frameworks' training inside an nbtrain job, with tiny
 models built from configs (nothing downloaded): a Hugging Face ``Trainer``, an ``accelerate``
-loop and a Lightning Fabric loop. Each saves its final parameters as ``rank{r}.pt``."""
+loop and a Lightning Fabric loop (``pip install transformers accelerate lightning-fabric``).
+
+``config``: ``work_dir`` (the Trainer's output directory), ``out_dir`` (each rank saves its
+final parameters there as ``rank{r}.pt``), ``step_sleep`` (seconds per step, for demos),
+``n_embd`` (the model's width). Each returns what it saw of the distributed run, and
+``step_times`` (rank 0's wall clock at the end of each step)."""
 
 from __future__ import annotations
 
@@ -28,14 +33,14 @@ class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def tiny_gpt2() -> torch.nn.Module:
+def tiny_gpt2(n_embd: int = 32) -> torch.nn.Module:
+    """A 2-layer GPT-2 built from a config (seeded; dropout on)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2,
-                                      n_head=2, resid_pdrop=0.1, embd_pdrop=0.1,
-                                      attn_pdrop=0.1, bos_token_id=0,
-                                      eos_token_id=0))
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=n_embd,
+                                      n_layer=2, n_head=2, resid_pdrop=0.1, embd_pdrop=0.1,
+                                      attn_pdrop=0.1, bos_token_id=0, eos_token_id=0))
 
 
 def _save(model: torch.nn.Module, config: dict[str, Any], rank: int) -> None:
@@ -44,33 +49,46 @@ def _save(model: torch.nn.Module, config: dict[str, Any], rank: int) -> None:
         torch.save(state, Path(config["out_dir"]) / f"rank{rank}.pt")
 
 
-def hf_trainer_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> dict[str, Any]:
+def build_trainer(config: dict[str, Any], *, max_steps: int = -1) -> tuple[Any, list[float]]:
+    """The HF ``Trainer`` of these examples (also what ``benchmarks/frameworks.py`` runs under
+    torchrun), and the list its callback appends each step's end time to."""
     import time
 
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from nbtrain.runtime.hf import run_trainer
+    times: list[float] = []
 
-    class Slow(TrainerCallback):  # type: ignore[misc]
+    class Clock(TrainerCallback):
         def on_step_end(self, *a: Any, **k: Any) -> None:
             time.sleep(config.get("step_sleep", 0.0))
+            times.append(time.time())
 
-    model = tiny_gpt2()
     args = TrainingArguments(output_dir=config["work_dir"], per_device_train_batch_size=4,
                              learning_rate=1e-3, logging_steps=1, save_strategy="no",
                              report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
                              lr_scheduler_type="linear", warmup_steps=2,
                              gradient_accumulation_steps=config.get("accumulate", 1),
-                             max_steps=config.get("max_steps", -1))
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[Slow()])
+                             max_steps=config.get("max_steps", max_steps))
+    model = tiny_gpt2(config.get("n_embd", 32))
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[Clock()])
+    return trainer, times
+
+
+def hf_trainer_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> dict[str, Any]:
+    """An HF ``Trainer`` run by :func:`nbtrain.runtime.hf.run_trainer`."""
+    from nbtrain.runtime.hf import run_trainer
+
+    trainer, times = build_trainer(config)
+    args = trainer.args
     info = {"world_size": args.world_size, "parallel_mode": str(args.parallel_mode)}
     out = run_trainer(ctx, trainer)
     _save(trainer.model, config, ctx.rank)
-    return {**info, "global_step": out.global_step, "loss": out.training_loss}
+    return {**info, "global_step": out.global_step, "loss": out.training_loss,
+            "step_times": times}
 
 
 def _lm_steps(ctx: nbtrain.RankContext, model: Any, opt: Any, backward: Any,
-              config: dict[str, Any]) -> float:
+              config: dict[str, Any], times: list[float]) -> float:
     """The loop both accelerate and Fabric recipes run: nbtrain's batches, their backward."""
     import time
 
@@ -82,36 +100,42 @@ def _lm_steps(ctx: nbtrain.RankContext, model: Any, opt: Any, backward: Any,
         opt.step()
         ctx.report(loss=loss.item())
         time.sleep(config.get("step_sleep", 0.0))
+        times.append(time.time())
     return float(loss)
 
 
 def accelerate_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> dict[str, Any]:
+    """An ``accelerate`` loop: ``prepare`` the model and optimizer (not the data)."""
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
-    model = tiny_gpt2()
+    model = tiny_gpt2(config.get("n_embd", 32))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = accelerator.prepare(model, opt)  # not the data: ctx.batches shards it
     ctx.track(model=model, optimizer=opt.optimizer)
-    loss = _lm_steps(ctx, model, opt, accelerator.backward, config)
+    times: list[float] = []
+    loss = _lm_steps(ctx, model, opt, accelerator.backward, config, times)
     _save(accelerator.unwrap_model(model), config, ctx.rank)
     return {"num_processes": accelerator.num_processes,
-            "distributed_type": str(accelerator.distributed_type), "loss": loss}
+            "distributed_type": str(accelerator.distributed_type), "loss": loss,
+            "step_times": times}
 
 
 def fabric_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> dict[str, Any]:
+    """A Lightning Fabric loop with ``strategy="ddp"``, one device per rank."""
     from lightning_fabric import Fabric
 
     # One device per rank, one rank per "node": torchrun --nproc-per-node=1 (see the docs).
     fabric = Fabric(accelerator="cpu", strategy="ddp", devices=1, num_nodes=ctx.world_size)
     fabric.launch()
-    model = tiny_gpt2()
+    model = tiny_gpt2(config.get("n_embd", 32))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = fabric.setup(model, opt)
     # The module Fabric wrapped (its parameters are the DDP replica's), and the torch
     # optimizer inside Fabric's.
     ctx.track(model=model.module, optimizer=opt.optimizer)
-    loss = _lm_steps(ctx, model, opt, fabric.backward, config)
+    times: list[float] = []
+    loss = _lm_steps(ctx, model, opt, fabric.backward, config, times)
     _save(model.module, config, ctx.rank)
     return {"world_size": fabric.world_size, "strategy": type(fabric.strategy).__name__,
-            "loss": loss}
+            "loss": loss, "step_times": times}

@@ -1,0 +1,39 @@
+"""The peer for benchmarks/frameworks.py: the same HF ``Trainer`` as
+``nbtrain.framework_examples.build_trainer``, run as a plain torchrun script.
+
+Launched as ``torchrun --nproc-per-node 2 benchmarks/_hf_torchrun_peer.py --steps N --out F
+--work DIR --n-embd E``; rank 0 writes the wall-clock end time of every step to F (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from nbtrain.framework_examples import build_trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--work", required=True)
+    parser.add_argument("--n-embd", type=int, default=32)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    trainer, times = build_trainer({"work_dir": args.work, "n_embd": args.n_embd},
+                                   max_steps=args.steps)
+    trainer.train()
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(times, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

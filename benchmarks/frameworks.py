@@ -1,0 +1,118 @@
+"""Other frameworks inside nbtrain jobs, against the same code under torchrun (world size 2).
+
+- ``hf_trainer_ratio``: the steady step rate of an HF ``Trainer`` run by
+  ``nbtrain.runtime.hf.run_trainer`` in a training function, over the same ``Trainer`` as a
+  plain script under ``torchrun --nproc-per-node 2`` (``benchmarks/_hf_torchrun_peer.py``),
+  in alternating rounds of the same run; the first 25% of each run's steps are dropped.
+- ``hf_ok``, ``accelerate_ok``, ``lightning_ok``: each framework's job with a rank killed
+  mid-run ends SUCCEEDED with parameters equal to an uninterrupted run's (bit-exact).
+
+Usage: ``python benchmarks/frameworks.py [--quick]``. Last stdout line: JSON. A torchrun run
+that fails is tried once more (``benchmarks/_peers.py``); if it fails again its ratio is null
+and ``peer_failed`` says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from _peers import PeerAttempt, PeerResult, peer_figures, ratio, run_peer
+
+import nbtrain
+from nbtrain.framework_examples import accelerate_train, fabric_train, hf_trainer_train
+
+HERE = Path(__file__).resolve().parent
+N_EMBD = 128  # wide enough that a step is compute, not Python overhead
+PLAIN_ENV = dict(__import__("os").environ)  # before connect(): what a user's torchrun gets
+
+
+def steady_rate(times: list[float]) -> float:
+    t = times[len(times) // 4:]
+    return (len(t) - 1) / (t[-1] - t[0])
+
+
+def run_nbtrain_hf(cluster: nbtrain.Cluster, steps: int, work: Path) -> float:
+    job = cluster.submit(hf_trainer_train, world_size=2, steps=steps, checkpoint=None,
+                         name="hf-rate", config={"work_dir": str(work), "n_embd": N_EMBD})
+    return steady_rate(job.result(timeout=600)["step_times"])
+
+
+def run_torchrun_hf(steps: int, attempt: PeerAttempt) -> float:
+    out = attempt.workdir / "times.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--standalone", str(HERE / "_hf_torchrun_peer.py"), "--steps", str(steps),
+           "--out", str(out), "--work", str(attempt.workdir), "--n-embd", str(N_EMBD)]
+    attempt.run(cmd, env=dict(PLAIN_ENV, OMP_NUM_THREADS="1"), timeout=600,
+                what="HF Trainer under torchrun")
+    return steady_rate(json.loads(out.read_text()))
+
+
+def recovers_exactly(cluster: nbtrain.Cluster, fn: Any, root: Path, steps: int) -> bool:
+    """A run with rank 1 killed at mid-run ends with the parameters of an uninterrupted one."""
+    import torch
+
+    outs = {}
+    for name, faults in (("clean", []), ("killed", [nbtrain.Fault("kill", rank=1,
+                                                                  step=steps // 2 + 1)])):
+        out = root / f"{fn.__name__}-{name}"
+        out.mkdir()
+        job = cluster.submit(fn, world_size=2, steps=steps, checkpoint=max(2, steps // 4),
+                             name=f"{fn.__name__}-{name}", faults=faults,
+                             config={"work_dir": str(out), "out_dir": str(out)})
+        if job.wait(600) is not nbtrain.JobState.SUCCEEDED or len(job.faults) != len(faults):
+            print(f"  {job.name}: {job.status.value} {job.reason}", flush=True)
+            return False
+        outs[name] = out
+    for rank in (0, 1):
+        a = torch.load(outs["clean"] / f"rank{rank}.pt")
+        b = torch.load(outs["killed"] / f"rank{rank}.pt")
+        if a.keys() != b.keys() or not all(torch.equal(a[k], b[k]) for k in a):
+            return False
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 60 steps (else 5 of 200)")
+    args = parser.parse_args()
+    rounds, steps = (2, 60) if args.quick else (5, 200)
+    root = Path(tempfile.mkdtemp(prefix="nbtrain-frameworks-"))
+    ours: list[float] = []
+    peers: list[PeerResult[float]] = []
+    with nbtrain.connect(n_workers=2, settings=nbtrain.Settings.load(
+            checkpoint_root=str(root / "checkpoints"))) as cluster:
+        run_nbtrain_hf(cluster, 20, root / "warm")  # the workers import transformers once
+        for i in range(rounds):
+            order = ["nbtrain", "torchrun"] if i % 2 == 0 else ["torchrun", "nbtrain"]
+            for which in order:
+                if which == "nbtrain":
+                    ours.append(run_nbtrain_hf(cluster, steps, root / f"hf-{i}"))
+                else:
+                    peers.append(run_peer("torchrun-hf", functools.partial(run_torchrun_hf,
+                                                                           steps)))
+            peer = peers[-1].value
+            print(f"round {i + 1}/{rounds}: nbtrain {ours[-1]:.1f} steps/s, torchrun "
+                  + (f"{peer:.1f} steps/s" if peer is not None else "failed"), flush=True)
+        ok = {name: recovers_exactly(cluster, fn, root, 12)
+              for name, fn in (("hf_ok", hf_trainer_train), ("accelerate_ok", accelerate_train),
+                               ("lightning_ok", fabric_train))}
+    got = [p.value for p in peers if p.value is not None]
+    figures = {
+        "hf_trainer_steps_per_s": round(statistics.median(ours), 2),
+        "torchrun_hf_steps_per_s": round(statistics.median(got), 2) if got else None,
+        "hf_trainer_ratio": ratio(statistics.median(ours), statistics.median(got) if got
+                                  else None),
+        "rounds": rounds, "steps": steps,
+        **ok, **peer_figures(peers)}
+    print(json.dumps(figures), flush=True)
+
+
+if __name__ == "__main__":
+    main()
