@@ -5,6 +5,8 @@ A user's ``set`` request becomes a pending change (validated by the job's
 refuses) and reaches the current generation's ranks with the control flags; rank 0 reports
 the knobs it declared (``knobs``) and the step every rank applied a change at
 (``knob_applied``), which moves it into the history that restarts and replays apply again.
+The controller's own knobs (the straggler detector's settings) are checked whole here and
+judged with from the step after it (:mod:`nbtrain.core.stragglerwatch`).
 """
 
 from __future__ import annotations
@@ -32,9 +34,15 @@ def request_set(job: LiveJob, arg: Any, out: Outbox) -> None:
         out.add(Rejected(job.id, f"a knob change is a mapping with 'values', got "
                                  f"{type(arg).__name__}"))
         return
+    values = arg.get("values") or {}
+    problem = job.stragglers.knobs.problem(job.stragglers.detector.settings, job.knobs.pending,
+                                           values) if isinstance(values, Mapping) else ""
+    if problem:
+        out.add(Rejected(job.id, f"cannot set the knobs of job {job.name}: {problem}"))
+        return
     try:
         change = job.knobs.request(
-            arg.get("values") or {}, ramp=arg.get("ramp", 0),
+            values, ramp=arg.get("ramp", 0),
             shape=arg.get("shape", "linear"), who=str(arg.get("who", "")), wall=out.wall,
             job=f"job {job.name}")
     except KnobError as exc:
@@ -57,6 +65,10 @@ def rank_message(job: LiveJob, msg: Mapping[str, Any], out: Outbox) -> None:
     elif kind == "knob_applied":
         changes = msg.get("changes")
         step = msg.get("step")
-        if (isinstance(changes, list | tuple) and isinstance(step, int)
-                and job.knobs.applied(changes, step)):
-            out.set_control(job)  # no longer pending for the ranks
+        if isinstance(changes, list | tuple) and isinstance(step, int):
+            moved = job.knobs.applied(changes, step)
+            if moved:
+                out.set_control(job)  # no longer pending for the ranks
+                # The controller's own knobs (straggler settings) judge the steps after it.
+                for event in job.stragglers.follow(moved):
+                    out.publish(job, event)

@@ -97,6 +97,9 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
         stepper.knobs, stepper.is_main = ctx.knobs, launch.rank == 0
         if ckpt is not None:
             ckpt.meta_hook = lambda: {"knobs": ctx.knobs.checkpoint_meta()}
+            # The interval of step-based checkpoints as a live knob (0: none by steps).
+            ctx.knobs.provide("checkpoint_every", float(ckpt.every_steps or 0),
+                              ckpt.set_every_steps, min=0.0, integer=True)
         driver = _Driver(ctx, stepper, ckpt, emitter, t0)
         ctx._driver = driver
         result: Any = None
