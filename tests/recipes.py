@@ -131,7 +131,9 @@ def regression_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> dict[s
 
 def steered_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> dict[str, Any]:
     """``regression_train`` with a user knob: ``aux_weight`` weighs an L2 penalty on the
-    parameters. Every rank reports the LR and the knob it trained each step with."""
+    parameters. Every rank reports the LR and the knob it trained each step with.
+    ``hold_first_generation_at``: the first generation's ranks stop in the step after that
+    one, so they never agree again (until their workers end)."""
     aux = ctx.knobs.declare("aux_weight", 0.1, min=0.0, max=1.0)
     ctx.knobs.declare("lr", min=0.0, max=1.0)  # bounds for the built-in
     model = ctx.prepare(make_model())
@@ -140,6 +142,9 @@ def steered_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> dict[str,
     for x, y in ctx.batches(regression_data(), global_batch_size=config.get("batch", 32)):
         if config.get("step_sleep"):
             time.sleep(config["step_sleep"])
+        hold = config.get("hold_first_generation_at")
+        while hold is not None and ctx.generation == 0 and ctx.step >= hold:
+            time.sleep(0.05)
         aux = ctx.knob("aux_weight")
         penalty = sum((p * p).sum() for p in model.parameters())
         loss = F.mse_loss(model(x), y) + aux * 1e-3 * penalty

@@ -20,7 +20,8 @@ def _snapshots(job: nbtrain.JobHandle) -> dict[int, list[tuple[int, int]]]:
     out: dict[int, list[tuple[int, int]]] = {}
     for e in job.events:
         if e.get("kind") == "checkpoint" and e.get("phase") == "snapshot":
-            out.setdefault(int(e["rank"]), []).append((int(e["gen"]), int(e["step"])))
+            gen = e.get("gen", e.get("generation"))  # the key is being renamed: either
+            out.setdefault(int(e["rank"]), []).append((int(gen), int(e["step"])))
     return out
 
 
