@@ -232,3 +232,29 @@ def test_an_applied_straggler_change_judges_the_steps_after_it_and_is_carried() 
         assert other.stragglers.detector.settings.ratio == 1.2
         other.stragglers.restart(2, 10)
         assert other.stragglers.detector.settings.ratio == 1.6
+
+
+# ============================================================== applied, never recorded
+def test_a_change_the_own_checkpoint_holds_but_the_controller_never_recorded_is_in_force() -> None:
+    """The ranks applied change 2 at step 30 and checkpointed at 40; the controller died
+    before it journaled their report, so its history has change 1 only. A generation that
+    restores its own checkpoint at 40 keeps change 2 at its step (the state was trained with
+    it) and names it for rank 0 to report; one restoring another run's (resume=) does not."""
+    one = KnobChange(seq=1, values={"aux": 0.2}, step=10).to_dict()
+    two = KnobChange(seq=2, values={"aux": 0.7}, step=30).to_dict()
+    later = KnobChange(seq=3, values={"aux": 0.9}, step=50).to_dict()  # after the restore
+
+    def started(own: bool) -> RankKnobs:
+        knobs = RankKnobs()
+        knobs.declare("aux", 0.1, min=0.0, max=1.0)
+        knobs.load({"history": [one]})
+        knobs.bind({})
+        knobs.start(40, {"history": [one, two, later]}, own)
+        return knobs
+
+    mine = started(own=True)
+    assert mine.values["aux"] == 0.7 and [c.seq for c in mine.recovered] == [2]
+    assert mine.seq == 2  # not offered again at the next agreement
+    assert [c.seq for c in mine.history] == [1, 2]
+    other = started(own=False)
+    assert other.values["aux"] == 0.2 and other.recovered == []

@@ -88,6 +88,8 @@ class RankCheckpointing:
         self.meta_hook: Callable[[], dict[str, Any]] | None = None
         #: This rank's meta of the checkpoint it restored (empty: a fresh start).
         self.restored_meta: dict[str, Any] = {}
+        #: The checkpoint restored is the job's own (not a ``resume=`` source).
+        self.restored_own = False
 
     def bind(self, state: dict[str, Any], loader: PositionedLoader | None) -> None:
         """What checkpoints hold, known when the training loop starts."""
@@ -115,6 +117,7 @@ class RankCheckpointing:
         if choice is None:
             return 0, []
         url = sources[choice.source][0]
+        self.restored_own = choice.source == 0
         store = CheckpointStore(url, keep=self.plan.keep)
         skipped: list[tuple[int, str]] = []
         for step in choice.steps:

@@ -46,6 +46,7 @@ class RankKnobs:
         self._started = False
         self._watch_from = 0  # the first step a change (or a ramp) may touch
         self._given: list[KnobChange] = []  # the controller's history, from the launch
+        self.recovered: list[KnobChange] = []  # see start()
         self._judged: list[KnobSpec] = []  # the controller's own knobs, from the launch
         #: Built-ins the loop provides (checkpoint_every): spec and what applies a value.
         self._provided: dict[str, tuple[KnobSpec, Callable[[float], None]]] = {}
@@ -133,14 +134,27 @@ class RankKnobs:
             specs[spec.name] = spec
         self.specs = specs
 
-    def start(self, step: int, restored: Mapping[str, Any] | None) -> dict[str, Any]:
+    def start(self, step: int, restored: Mapping[str, Any] | None,
+              own: bool = False) -> dict[str, Any]:
         """The loop starts at ``step``: the values in force there (the controller's history;
         a ``resume=`` checkpoint's own when the controller has none), applied. Returns the
-        ``knobs`` event's fields."""
-        history = self._given
-        if not history and restored:  # a checkpoint from another run (resume=)
-            history = [KnobChange.from_dict(c) for c in restored.get("history", ())
-                       if c.get("step") is not None and int(c["step"]) <= step]
+        ``knobs`` event's fields.
+
+        ``own``: the checkpoint is this job's. Changes its history holds at steps up to
+        ``step`` that the controller's does not are ones the ranks applied while the
+        controller did not record it (it died before it journaled their ``knob_applied``):
+        the state restored was trained with them, so they are in force here too, at their
+        own steps, and listed in :attr:`recovered` for rank 0 to report again."""
+        history = list(self._given)
+        saved = [KnobChange.from_dict(c) for c in (restored or {}).get("history", ())
+                 if c.get("step") is not None and int(c["step"]) <= step]
+        known = {c.seq for c in history}
+        #: Applied changes the controller's history lacked (see above).
+        self.recovered = [c for c in saved if c.seq not in known] if own else []
+        if own:
+            history += self.recovered
+        elif not history:  # a checkpoint from another run (resume=)
+            history = saved
         self.history = sorted(history, key=lambda c: (c.step or 0, c.seq))
         self._started = True
         self._update(step, force=True)
