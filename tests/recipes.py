@@ -84,8 +84,9 @@ class GpuRegression(Regression):
 
 
 def single_process_params(steps: int, batch: int = 32, lr: float = 0.05,
-                          n: int = 256) -> dict[str, torch.Tensor]:
-    """The same training as ``Regression`` on one process over the same global batches."""
+                          n: int = 256, clip: float = 0.0) -> dict[str, torch.Tensor]:
+    """The same training as ``Regression`` on one process over the same global batches
+    (``clip``: the gradients' norm clipped to it before every step, as torch does)."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     loader = ShardedLoader(regression_data(n), global_batch_size=batch, rank=0, world_size=1)
@@ -94,6 +95,8 @@ def single_process_params(steps: int, batch: int = 32, lr: float = 0.05,
         loss = F.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
     return model.state_dict()
 

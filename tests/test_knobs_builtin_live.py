@@ -5,12 +5,16 @@ in force at the restored step, and the straggler change is in the history and it
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+import torch
 
 import nbtrain
 from nbtrain.core.job import JobState
 from tests import recipes
 from tests.conftest import wait_for
+from tests.recipes import parallel_train, single_process_params
 
 STEPS = 400  # a multiple of both intervals: the final checkpoint is one of theirs
 
@@ -80,3 +84,23 @@ def test_checkpoint_every_and_straggler_settings_change_live_and_survive_a_recov
     assert [s for s in replayed if s <= applied] == before
     assert [s for s in replayed if s > applied] == list(
         range((applied // 25 + 1) * 25, STEPS + 1, 25))
+
+
+def test_grad_clip_under_fsdp_clips_by_the_global_norm(free_cluster: nbtrain.Cluster,
+                                                      tmp_path: Path) -> None:
+    """FSDP2 over 2 gloo ranks, float64, ``grad_clip`` in force from the first step (a
+    change at step 0, given as the job's replay): the parameters equal one process's with
+    torch's own clipping of the whole gradient, which a per-shard norm would not give."""
+    clip, steps = 0.05, 12
+    job = free_cluster.submit(parallel_train, world_size=2, steps=steps, checkpoint=None,
+                              config={"strategy": "fsdp", "out_dir": str(tmp_path)},
+                              name="fsdp-clip",
+                              replay=[{"seq": 1, "values": {"grad_clip": clip}, "step": 0}])
+    assert job.wait(300) is JobState.SUCCEEDED, job.error
+    want = single_process_params(steps, clip=clip)
+    unclipped = single_process_params(steps)
+    assert max(float((want[k] - unclipped[k]).abs().max()) for k in want) > 1e-3  # it clips
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=1e-12)
