@@ -258,3 +258,20 @@ def test_a_change_the_own_checkpoint_holds_but_the_controller_never_recorded_is_
     assert [c.seq for c in mine.history] == [1, 2]
     other = started(own=False)
     assert other.values["aux"] == 0.2 and other.recovered == []
+
+
+def test_the_controllers_knob_names_are_its_own_and_a_clashing_tune_changes_nothing() -> None:
+    knobs = RankKnobs()
+    knobs.load({"judged": [s.to_dict() for s in straggler_specs(StragglerSettings())]})
+    with pytest.raises(KnobError, match="'straggler_ratio' is a knob of the controller's"):
+        knobs.declare("straggler_ratio", 1.0)
+    knobs.bind({})
+    assert knobs.specs["straggler_ratio"].by == "controller"
+    watch = StragglerWatch(2)
+    watch.follow([KnobChange(seq=1, values={"straggler_suspect_votes": 3}, step=5)])
+    watch.restart(2, 10)
+    assert watch.detector.settings.suspect_votes == 3
+    # The base's own suspect_votes (6) does not fit window=2: refused, nothing changed.
+    with pytest.raises(ValueError, match="suspect_votes must be between 1 and window=2"):
+        watch.update(window=2)
+    assert watch.knobs.base == StragglerSettings() and watch.detector.settings.window == 8

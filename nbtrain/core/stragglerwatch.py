@@ -85,7 +85,10 @@ class StragglerWatch:
     def _in_force(self, step: int) -> list[dict[str, Any]]:
         """The detector judges from step ``step + 1`` on with the settings in force there."""
         self._through = step
-        want = self.knobs.settings_at(step)
+        try:
+            want = self.knobs.settings_at(step)
+        except (TypeError, ValueError):  # a tune_stragglers since made them clash: kept
+            return []
         if want == self.detector.settings:
             return []
         fields = {f.name: getattr(want, f.name) for f in dataclasses.fields(want)}
@@ -120,9 +123,11 @@ class StragglerWatch:
     def update(self, **changes: Any) -> list[dict[str, Any]]:
         """Change detector thresholds (``StragglerSettings`` fields) while the job runs, at
         once and unrecorded (``job.tune_stragglers``): the base under the straggler knobs."""
-        self.knobs.base = dataclasses.replace(self.knobs.base, **changes)
-        return [_straggler_event(self._with_device(d).to_event())
-                for d in self.detector.update_settings(**changes)]
+        base = dataclasses.replace(self.knobs.base, **changes)  # raises before any change
+        events = [_straggler_event(self._with_device(d).to_event())
+                  for d in self.detector.update_settings(**changes)]
+        self.knobs.base = base
+        return events
 
 
 def _straggler_event(info: dict[str, Any]) -> dict[str, Any]:

@@ -62,6 +62,10 @@ class RankKnobs:
         if self._started:
             raise RuntimeError(f"ctx.knobs.declare({name!r}, ...) after the training loop "
                                "started: declare knobs in setup() or before ctx.batches()")
+        if any(spec.name == name for spec in self._judged):
+            raise KnobError(f"{name!r} is a knob of the controller's (it sets the straggler "
+                            "detector): change it with job.set, read it with ctx.knob("
+                            f"{name!r}); give your own knob another name")
         if name not in BUILTIN and default is None:
             raise KnobError(f"ctx.knobs.declare({name!r}, default, min=..., max=...) needs a "
                             "default value")
