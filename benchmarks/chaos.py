@@ -166,7 +166,7 @@ class Campaign:
     def pids(self, job: nbtrain.JobHandle) -> dict[int, int]:
         gen = job.generation
         return {int(e["rank"]): int(e["pid"]) for e in job.events
-                if e.get("kind") == "rank_started" and e.get("gen") == gen}
+                if e.get("kind") == "rank_started" and e.get("generation") == gen}
 
     def committed(self, job: nbtrain.JobHandle) -> int:
         for _ in range(20):  # a listing that races a prune: read again
@@ -272,7 +272,7 @@ class Campaign:
             started = [e for e in job.events if e.get("kind") == "rank_started"]
             by_gen: dict[int, list[dict[str, Any]]] = {}
             for e in started:
-                by_gen.setdefault(int(e["gen"]), []).append(e)
+                by_gen.setdefault(int(e["generation"]), []).append(e)
             partial += sum(1 for evs in by_gen.values()
                            if len({int(e["start_step"]) for e in evs}) > 1)
             for shot in run.shots:

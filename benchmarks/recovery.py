@@ -108,7 +108,7 @@ def analyse_nbtrain(job: nbtrain.JobHandle) -> dict[str, Any]:
     gen = int(fault["generation"]) + 1
     starting = next(e for e in events if e["kind"] == "state" and e["state"] == "STARTING"
                     and str(e["reason"]).startswith(f"generation {gen}:"))
-    started = [e for e in events if e["kind"] == "rank_started" and e["gen"] == gen]
+    started = [e for e in events if e["kind"] == "rank_started" and e["generation"] == gen]
     last = max(started, key=lambda e: float(e["time"]))
     m = job.metrics
     first_step = float(m[(m["generation"] == gen) & (m["rank"] == 0)]["time"].min())

@@ -144,9 +144,9 @@ def main() -> None:
         low.wait(120)
         preemptions = [e for e in low.events if e["kind"] == "preemption"]
         # Steps the victim had done when it stopped that its next generation did again.
-        starts = {e["gen"]: int(e["start_step"]) for e in low.events
+        starts = {e["generation"]: int(e["start_step"]) for e in low.events
                   if e["kind"] == "rank_started"}
-        done = {e["gen"]: int(e["step"]) for e in low.events
+        done = {e["generation"]: int(e["step"]) for e in low.events
                 if e["kind"] == "rank_finished" and e["rank"] == 0}
         recomputed = sum(max(0, done[p["generation"]] - starts.get(p["generation"] + 1,
                                                                   done[p["generation"]]))

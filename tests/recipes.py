@@ -297,13 +297,35 @@ def bad_rows_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> None:
                   and o.job_id == ctx.job_id and o.generation == ctx.generation)
     seq = 1 << 40  # past every number the rank's own emitter will use
     get_worker().log_event("nbtrain-ranks", {
-        "kind": "steps", "job": ctx.job_id, "gen": ctx.generation, "rank": ctx.rank,
+        "kind": "steps", "job": ctx.job_id, "generation": ctx.generation, "rank": ctx.rank,
         "seq": seq, "seal": seal(launch.secret, ctx.job_id, ctx.generation, ctx.rank, seq,
                                  "steps"),
         "rows": [["not-a-step", 0.0, 0.01, 0.0, 0.01, 0.0, 0.0]]})
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def unknown_kind_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> None:
+    """Sends the controller a sealed rank message of a kind no machine event stands for (a
+    rank runtime of another version), then trains: the job must go on."""
+    import gc
+
+    from distributed import get_worker
+
+    from nbtrain.core.rankseal import seal
+
+    launch = next(o for o in gc.get_objects() if type(o).__name__ == "RankLaunch"
+                  and o.job_id == ctx.job_id and o.generation == ctx.generation)
+    # Above every number the rank's own emitter uses in a short job, and close enough that
+    # its lower numbers are still inside the seal's window.
+    seq = 1000
+    get_worker().log_event("nbtrain-ranks", {
+        "kind": "telemetry", "job": ctx.job_id, "generation": ctx.generation,
+        "rank": ctx.rank, "seq": seq, "seal": seal(launch.secret, ctx.job_id, ctx.generation,
+                                                   ctx.rank, seq, "telemetry")})
+    for _ in ctx.steps():
+        ctx.report(loss=1.0)
 
 
 class Payload:

@@ -100,7 +100,7 @@ def test_preempt_then_resume_matches_uninterrupted(free_cluster: nbtrain.Cluster
     job.resume()
     assert job.wait(180) is JobState.SUCCEEDED, job.error
     assert job.generation == 1
-    resumed = [e for e in job.events if e["kind"] == "rank_started" and e["gen"] == 1]
+    resumed = [e for e in job.events if e["kind"] == "rank_started" and e["generation"] == 1]
     assert {e["start_step"] for e in resumed} == {at}  # no committed step lost
     assert_params_equal(tmp_path, single_process_params(steps))
 

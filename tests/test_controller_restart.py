@@ -79,7 +79,7 @@ def test_scheduler_killed_while_checkpoints_commit_loses_no_committed_step(
         [restart] = [f for f in job.faults if f["what"] == "controller"]
         assert restart["resume_step"] >= on_disk, (restart, on_disk)
         resumed = [e for e in job.events if e["kind"] == "rank_started" and e["rank"] == 0
-                   and e["gen"] == job.generation]
+                   and e["generation"] == job.generation]
         assert resumed and int(resumed[0]["start_step"]) == restart["resume_step"]
         assert_params_equal(out, single_process_params(150))
 

@@ -208,18 +208,19 @@ def test_peers_still_running_after_the_grace_are_restarted_on_gpus_too() -> None
 
 
 def test_device_readings_reach_straggler_verdicts_and_stay_out_of_the_log() -> None:
-    from nbtrain.core.lifecycle_types import RankMessage
+    from nbtrain.core.machine_events import rank_from_wire
     from tests.test_gpu_health import HOT, rows
 
     h = gpu_cluster()
     h.submit_on("a", "gpu")
-    h.feed(RankMessage, "a", {"kind": "device", "rank": 1, "gen": 0, "readings": HOT})
-    h.feed(RankMessage, "a", {"kind": "device", "rank": 0, "gen": -1, "readings": {}})  # stale
+    h.feed(rank_from_wire, "a", {"kind": "device", "rank": 1, "generation": 0, "readings": HOT})
+    h.feed(rank_from_wire, "a",  # stale
+           {"kind": "device", "rank": 0, "generation": -1, "readings": {}})
     for start in range(1, 60, 10):
         batch = rows({"compute": 2.0}, start, 10)
         for rank in (0, 1):
-            h.feed(RankMessage, "a", {"kind": "steps", "rank": rank, "gen": 0,
-                                      "rows": batch[rank]})
+            h.feed(rank_from_wire, "a", {"kind": "steps", "rank": rank, "generation": 0,
+                                         "rows": batch[rank]})
     assert h.events("a", "device") == []
     [suspect, *_] = h.events("a", "straggler")
     assert suspect["rank"] == 1 and suspect["nvml"] == HOT

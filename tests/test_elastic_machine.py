@@ -12,11 +12,11 @@ from nbtrain.core.lifecycle_types import (
     Launch,
     MachineConfig,
     Rejected,
-    Request,
     SetControl,
     Submitted,
     WorkerLeft,
 )
+from nbtrain.core.machine_events import request_from_wire
 from nbtrain.core.sched_types import SchedulerConfig
 from tests.test_lifecycle import POLICY, Harness, uncommitted_exit
 
@@ -29,7 +29,8 @@ def submit(h: Harness, job_id: str, world_size: int, *, min_size: int | None = N
 
 
 def resize(h: Harness, job_id: str, size: int, wait_for_workers: bool = False) -> list[Any]:
-    return h.feed(Request, job_id, "resize", {"size": size, "wait_for_workers": wait_for_workers})
+    return h.feed(request_from_wire, job_id, "resize",
+                  {"size": size, "wait_for_workers": wait_for_workers})
 
 
 def running(h: Harness, job_id: str, upto: int = 5) -> Launch:

@@ -58,7 +58,7 @@ def test_function_job_recovers_exactly_from_a_killed_rank(free_cluster: nbtrain.
     assert job.wait(180) is JobState.SUCCEEDED, job.error
     [fault] = job.faults
     assert fault["what"] == "worker died" and fault["rank"] == 1
-    resumed = [e for e in job.events if e["kind"] == "rank_started" and e["gen"] == 1]
+    resumed = [e for e in job.events if e["kind"] == "rank_started" and e["generation"] == 1]
     assert {e["start_step"] for e in resumed} == {fault["resume_step"]}
     assert fault["resume_step"] >= 12
     assert_params_equal(tmp_path, single_process_params(STEPS))

@@ -75,7 +75,8 @@ def test_a_failed_rank_is_recovered_by_aborting_its_nccl_peers(
     assert "aborting" in set(aborts[0]["results"].values())  # rank 0's group was aborted
     restarts = [e for e in log if e.get("kind") == "restart" and job.name in e["reason"]]
     assert restarts == []  # no worker restarted to free a peer
-    pids = {(e["gen"], e["rank"]): e["pid"] for e in job.events if e["kind"] == "rank_started"}
+    pids = {(e["generation"], e["rank"]): e["pid"] for e in job.events
+            if e["kind"] == "rank_started"}
     survivors = {pids[(0, r)] for r in (0, 1)} & {pids[(1, r)] for r in (0, 1)}
     assert len(survivors) == (2 if kind == "raise" else 1)  # warm processes kept
     assert_params_equal(tmp_path, single_process_params(STEPS))

@@ -7,7 +7,8 @@ import asyncio
 from dataclasses import replace
 from typing import Any
 
-from nbtrain.core.lifecycle_types import Event, Publish, RankMessage, Tick
+from nbtrain.core.lifecycle_types import Event, Publish, Tick
+from nbtrain.core.machine_events import RankCheckpoint, RankEvent, RankSteps
 from nbtrain.engine.inbox import Inbox, split_rows
 from tests.test_lifecycle import Harness
 
@@ -18,24 +19,25 @@ def _rows(first: int, n: int, *, slow_rank: bool = False) -> list[list[Any]]:
             for s in range(first, first + n)]
 
 
-def _steps(job: str, rank: int, rows: list[list[Any]], t: float = 5.0) -> RankMessage:
-    return RankMessage(t, 1e9 + t, job, {"kind": "steps", "rank": rank, "gen": 0,
-                                         "rows": rows})
+def _steps(job: str, rank: int, rows: list[list[Any]], t: float = 5.0) -> RankSteps:
+    return RankSteps(t, 1e9 + t, job, 0, rank, rows=rows)
 
 
 def test_a_long_batch_is_split_in_order_with_its_times() -> None:
     event = _steps("a", 1, _rows(1, 20))
     parts = split_rows(event, 8)
-    assert [len(p.msg["rows"]) for p in parts] == [8, 8, 4]  # type: ignore[union-attr]
-    assert [r[0] for p in parts for r in p.msg["rows"]] == list(range(1, 21))  # type: ignore[union-attr]
-    assert {(p.now, p.wall, p.msg["rank"], p.msg["gen"]) for p in parts} == {  # type: ignore[union-attr]
+    assert all(isinstance(p, RankSteps) for p in parts)
+    assert [len(p.rows) for p in parts] == [8, 8, 4]  # type: ignore[union-attr]
+    assert [r[0] for p in parts for r in p.rows] == list(range(1, 21))  # type: ignore[union-attr]
+    assert {(p.now, p.wall, p.rank, p.generation) for p in parts} == {  # type: ignore[union-attr]
         (5.0, 1e9 + 5.0, 1, 0)}
-    as_tuple = replace(event, msg={**event.msg, "rows": tuple(event.msg["rows"])})
+    as_tuple = replace(event, rows=tuple(event.rows))
     assert len(split_rows(as_tuple, 8)) == 3  # rows that came over the wire as a tuple
     assert split_rows(_steps("a", 1, _rows(1, 8)), 8) == [_steps("a", 1, _rows(1, 8))]
     tick = Tick(1.0, 2.0)
     assert split_rows(tick, 8) == [tick]
-    ckpt = RankMessage(1.0, 2.0, "a", {"kind": "checkpoint", "rows": list(range(100))})
+    ckpt = RankCheckpoint(1.0, 2.0, "a", 0, 0, phase="snapshot",
+                          record={"kind": "checkpoint", "rows": list(range(100))})
     assert split_rows(ckpt, 8) == [ckpt]  # only step rows are split
 
 
@@ -44,9 +46,9 @@ def test_events_are_fed_in_arrival_order_and_the_loop_runs_between_slices() -> N
     woken: list[int] = []
 
     def feed(event: Event) -> None:
-        if isinstance(event, RankMessage):
-            fed.append((str(event.msg["kind"]), int(event.msg["rows"][0][0])
-                        if event.msg["kind"] == "steps" else -1))
+        if isinstance(event, RankEvent):
+            fed.append((event.kind, int(event.rows[0][0])
+                        if isinstance(event, RankSteps) else -1))
         else:
             fed.append(("tick", -1))
 
@@ -58,7 +60,7 @@ def test_events_are_fed_in_arrival_order_and_the_loop_runs_between_slices() -> N
         assert fed == [("steps", 1)]  # nothing was waiting: the first part at once
         inbox.put(Tick(6.0, 1e9 + 6.0))  # queued behind the rows, not ahead of them
         then: list[int] = []
-        inbox.put(RankMessage(7.0, 1e9 + 7.0, "a", {"kind": "checkpoint"}),
+        inbox.put(RankCheckpoint(7.0, 1e9 + 7.0, "a", 0, 0),
                   then=lambda: then.append(len(fed)))
         asyncio.get_running_loop().call_soon(lambda: order.append(f"other after {len(fed)}"))
         while len(inbox):
@@ -77,7 +79,7 @@ def test_drain_feeds_what_waits_before_an_event_that_needs_an_answer() -> None:
     fed: list[int] = []
 
     async def main() -> None:
-        inbox = Inbox(lambda e: fed.append(len(e.msg["rows"])), lambda: None,  # type: ignore[union-attr]
+        inbox = Inbox(lambda e: fed.append(len(e.rows)), lambda: None,  # type: ignore[union-attr]
                       rows_per_event=4)
         inbox.put(_steps("a", 0, _rows(1, 10)))
         assert fed == [4] and len(inbox) == 2

@@ -27,12 +27,11 @@ from nbtrain.core.lifecycle import JobMachine
 from nbtrain.core.lifecycle_types import (
     JobSubmission,
     Launch,
-    RankMessage,
     Rejected,
-    Request,
     SetControl,
     Submitted,
 )
+from nbtrain.core.machine_events import rank_from_wire, request_from_wire
 from tests.test_lifecycle import POLICY, Harness
 
 SPECS = [KnobSpec(name="lr", default=0.1, min=0.0, max=1.0, builtin=True).to_dict(),
@@ -149,12 +148,12 @@ def _running(h: Harness, job: str = "a") -> Launch:
 
 
 def _declare(h: Harness, job: str, gen: int) -> None:
-    h.feed(RankMessage, job, {"kind": "knobs", "rank": 0, "gen": gen, "specs": SPECS, "values": {},
-                              "step": 0, "history": []})
+    h.feed(rank_from_wire, job, {"kind": "knobs", "rank": 0, "generation": gen, "specs": SPECS,
+                                 "values": {}, "step": 0, "history": []})
 
 
 def _set(h: Harness, job: str, **arg: object) -> list[object]:
-    return h.feed(Request, job, "set", arg)
+    return h.feed(request_from_wire, job, "set", arg)
 
 
 def test_machine_sends_pending_changes_and_records_them_applied() -> None:
@@ -178,8 +177,8 @@ def test_machine_sends_pending_changes_and_records_them_applied() -> None:
     assert any(isinstance(c, Rejected) for c in out)
     # Rank 0 says every rank applied it at step 40: no longer pending, in the history.
     applied = {**ctl[-1].knobs[0], "step": 40}
-    out = h.feed(RankMessage, "a", {"kind": "knob_applied", "rank": 0, "gen": gen,
-                                    "step": 40, "changes": [applied], "values": {}})
+    out = h.feed(rank_from_wire, "a", {"kind": "knob_applied", "rank": 0, "generation": gen,
+                                       "step": 40, "changes": [applied], "values": {}})
     assert [c.knobs for c in out if isinstance(c, SetControl)] == [()]
     carried = h.m.carry("a")
     assert [c["step"] for c in carried.knobs["history"]] == [40]
@@ -202,8 +201,9 @@ def test_machine_refuses_a_change_on_an_ended_job_and_restores_carried_knobs() -
     launch = _running(h)
     _declare(h, "a", launch.generation)
     _set(h, "a", values={"lr": 0.3})
-    h.feed(RankMessage, "a", {"kind": "knob_applied", "rank": 0, "gen": launch.generation,
-                              "step": 5, "changes": [{"seq": 1}], "values": {}})
+    h.feed(rank_from_wire, "a", {"kind": "knob_applied", "rank": 0,
+                                 "generation": launch.generation, "step": 5,
+                                 "changes": [{"seq": 1}], "values": {}})
     carried = h.m.carry("a")
     for rank in (0, 1):
         h.exit("a", launch.generation, rank)

@@ -13,9 +13,10 @@ import pytest
 from nbtrain.core.checkpoint_policy import CheckpointPolicy, CheckpointPolicyConfig
 from nbtrain.core.job import JobSpec
 from nbtrain.core.jobrecord import LiveJob
-from nbtrain.core.knobflow import rank_message, request_set
+from nbtrain.core.knobflow import applied, request_set
 from nbtrain.core.knobs import KnobChange, KnobError, KnobSpec, check_change
 from nbtrain.core.lifecycle_types import JobSubmission, Rejected
+from nbtrain.core.machine_events import rank_from_wire, request_from_wire
 from nbtrain.core.outbox import Outbox
 from nbtrain.core.straggler import StragglerSettings
 from nbtrain.core.stragglerknobs import StragglerKnobs, fields_of, straggler_specs
@@ -204,15 +205,16 @@ def test_an_applied_straggler_change_judges_the_steps_after_it_and_is_carried() 
     job = LiveJob(JobSubmission(spec=spec, policy=POLICY), 0.0, 0.0)
     out = Outbox()
     out.begin(0.0)
-    request_set(job, {"values": {"straggler_ratio": 1.6, "straggler_confirm_s": 5.0},
-                      "who": "ann"}, out)
+    request_set(job, request_from_wire(0.0, 0.0, "a", "set", {
+        "values": {"straggler_ratio": 1.6, "straggler_confirm_s": 5.0}, "who": "ann"}), out)
     [pending] = job.knobs.pending
     judged = _spy(job.stragglers)
     job.stragglers.restart(2, 0)
     for rank in (0, 1):
         job.stragglers.observe(rank, [_row(s) for s in range(1, 10)])
-    rank_message(job, {"kind": "knob_applied", "rank": 0, "step": 10,
-                       "changes": [{**pending.to_dict(), "step": 10}]}, out)
+    applied(job, rank_from_wire(0.0, 0.0, "a", {  # type: ignore[arg-type]
+        "kind": "knob_applied", "rank": 0, "generation": 0, "step": 10,
+        "changes": [{**pending.to_dict(), "step": 10}]}), out)
     for rank in (0, 1):
         job.stragglers.observe(rank, [_row(s) for s in range(10, 20)])
     assert all(r == (1.2 if s <= 10 else 1.6) for s, r in judged) and len(judged) == 19

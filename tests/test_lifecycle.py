@@ -25,9 +25,7 @@ from nbtrain.core.lifecycle_types import (
     Publish,
     RankExit,
     RankFailureInfo,
-    RankMessage,
     Rejected,
-    Request,
     RestartWorkers,
     SetControl,
     Submitted,
@@ -35,6 +33,7 @@ from nbtrain.core.lifecycle_types import (
     WorkerJoined,
     WorkerLeft,
 )
+from nbtrain.core.machine_events import rank_from_wire, request_from_wire
 from nbtrain.core.sched_types import SchedulerConfig
 
 POLICY = JobPolicy(hang_factor=20.0, hang_floor_s=3.0, peer_release_s=0.3, failure_grace_s=10.0)
@@ -74,9 +73,10 @@ class Harness:
 
     def submit(self, job_id: str, world_size: int = 2, *, priority: int = 0,
                team: str = "default", queue: bool = True, max_restarts: int = 3,
-               faults: Iterable[Fault] = ()) -> list[Command]:
+               faults: Iterable[Fault] = (), fail_fast: bool = True) -> list[Command]:
         spec = JobSpec(job_id=job_id, name=f"job-{job_id}", world_size=world_size, steps=1000,
-                       priority=priority, team=team, queue=queue, max_restarts=max_restarts)
+                       priority=priority, team=team, queue=queue, max_restarts=max_restarts,
+                       fail_fast=fail_fast)
         return self.feed(Submitted, JobSubmission(spec=spec, policy=POLICY, faults=tuple(faults)))
 
     def steps(self, job_id: str, gen: int, upto: int, ranks: Iterable[int] = (0, 1),
@@ -86,12 +86,12 @@ class Harness:
             self.reported[(job_id, gen, rank)] = upto
             rows = [[s, 1e9 + self.t, step_s, 0.0, step_s * 0.8, 0.0, step_s * 0.2]
                     for s in range(first, upto + 1)]
-            self.feed(RankMessage, job_id, {"kind": "steps", "rank": rank, "gen": gen,
-                                            "rows": rows})
+            self.feed(rank_from_wire, job_id, {"kind": "steps", "rank": rank,
+                                               "generation": gen, "rows": rows})
 
     def committed(self, job_id: str, gen: int, step: int) -> None:
-        self.feed(RankMessage, job_id, {"kind": "checkpoint", "phase": "committed",
-                                        "step": step, "rank": 0, "gen": gen})
+        self.feed(rank_from_wire, job_id, {"kind": "checkpoint", "phase": "committed",
+                                           "step": step, "rank": 0, "generation": gen})
 
     def exit(self, job_id: str, gen: int, rank: int, outcome: str = "completed",
              step: int = 1000) -> list[Command]:
@@ -199,7 +199,7 @@ def test_exception_releases_peers_then_recovers_on_a_spare_avoiding_the_failed_s
 
 def test_restart_budget_exhausted_fails_with_every_fault() -> None:
     h = Harness()
-    h.submit("a", 2, max_restarts=1)
+    h.submit("a", 2, max_restarts=1, fail_fast=False)
     for gen in (0, 1):
         h.steps("a", gen, 5)
         h.fail("a", gen, 0)
@@ -214,6 +214,46 @@ def test_restart_budget_exhausted_fails_with_every_fault() -> None:
     assert error.count("exception on rank 0") == 2 and "Traceback" in error
 
 
+def _fail_twice(h: Harness, steps: tuple[int, int], errors: tuple[str, str]) -> None:
+    for gen in (0, 1):
+        h.steps("a", gen, 5)
+        h.fail("a", gen, 1, step=steps[gen], error=errors[gen])
+        h.fail("a", gen, 0, peer=True, step=steps[gen])
+        h.advance(1.0)
+        for slot in h.m.slots():
+            if slot["state"] == "restarting":
+                h.join()
+
+
+def test_fail_fast_ends_a_job_whose_code_raises_the_same_at_the_same_step() -> None:
+    h = Harness()
+    h.submit("a", 2, max_restarts=3)
+    _fail_twice(h, (7, 7), ("KeyError: 'lr'", "KeyError: 'lr'"))
+    assert h.state("a") == "FAILED"
+    assert h.reason("a").startswith("the same exception twice at step 7 on rank 1: KeyError")
+    assert "fail_fast=False" in h.reason("a")
+    assert h.m.status("a").restarts == 1  # one retry, not the whole budget
+
+
+@pytest.mark.parametrize(("steps", "errors"), [
+    ((7, 9), ("KeyError: 'lr'", "KeyError: 'lr'")),  # another step: not the same
+    ((7, 7), ("OSError: disk", "OSError: network")),  # another message
+])
+def test_fail_fast_retries_exceptions_that_differ(steps: tuple[int, int],
+                                                  errors: tuple[str, str]) -> None:
+    h = Harness()
+    h.submit("a", 2, max_restarts=3)
+    _fail_twice(h, steps, errors)
+    assert h.state("a") != "FAILED" and h.m.status("a").restarts == 2
+
+
+def test_without_fail_fast_the_same_exception_is_retried() -> None:
+    h = Harness()
+    h.submit("a", 2, max_restarts=3, fail_fast=False)
+    _fail_twice(h, (7, 7), ("KeyError: 'lr'", "KeyError: 'lr'"))
+    assert h.state("a") != "FAILED" and h.m.status("a").restarts == 2
+
+
 def test_zero_restarts_fails_at_the_first_fault() -> None:
     h = Harness()
     h.submit("a", 2, max_restarts=0)
@@ -225,7 +265,7 @@ def test_zero_restarts_fails_at_the_first_fault() -> None:
 def test_user_preempt_then_resume() -> None:
     h = Harness()
     run_to_running(h)
-    out = h.feed(Request, "a", "preempt")
+    out = h.feed(request_from_wire, "a", "preempt")
     assert h.of(SetControl, out)[-1].flags["preempt"] == 1
     assert h.state("a") == "STOPPING"
     h.exit("a", 0, 0, "preempted", 40)
@@ -234,15 +274,15 @@ def test_user_preempt_then_resume() -> None:
     assert h.reason("a") == "checkpointed at step 40 and released its slots; resume() to continue"
     h.submit("b")  # the slots are free while a is preempted
     assert h.launches("b")
-    h.feed(Request, "a", "resume")
+    h.feed(request_from_wire, "a", "resume")
     assert h.state("a") == "QUEUED" and h.reason("a").startswith("resuming: ")
 
 
 def test_stop_during_user_preempt_cancels() -> None:
     h = Harness()
     run_to_running(h)
-    h.feed(Request, "a", "preempt")
-    h.feed(Request, "a", "stop")
+    h.feed(request_from_wire, "a", "preempt")
+    h.feed(request_from_wire, "a", "stop")
     h.exit("a", 0, 0, "preempted", 40)
     h.exit("a", 0, 1, "preempted", 40)
     assert h.state("a") == "CANCELLED" and h.reason("a") == "stopped by user at step 40"
@@ -259,7 +299,7 @@ def test_stop_during_straggler_replacement_cancels() -> None:
 
     job.preempt = Preemption(cause="replace", reason="rank 1 slow", deadline=h.t + 30,
                              slot=job.gen.slots[1] if job.gen else None)
-    h.feed(Request, "a", "stop")
+    h.feed(request_from_wire, "a", "stop")
     h.exit("a", 0, 0, "preempted", 40)
     h.exit("a", 0, 1, "preempted", 40)
     assert h.state("a") == "CANCELLED"
@@ -270,10 +310,10 @@ def test_stop_while_queued_and_while_failing() -> None:
     h = Harness()
     run_to_running(h)
     h.submit("b")
-    h.feed(Request, "b", "stop")
+    h.feed(request_from_wire, "b", "stop")
     assert h.state("b") == "CANCELLED" and h.reason("b") == "stopped by user while queued"
     h.fail("a", 0, 1)
-    h.feed(Request, "a", "stop")
+    h.feed(request_from_wire, "a", "stop")
     h.fail("a", 0, 0, peer=True)
     assert h.state("a") == "CANCELLED" and "a rank failed meanwhile" in h.reason("a")
 
@@ -332,7 +372,7 @@ def test_the_hang_limit_grows_with_the_longest_step_seen() -> None:
     launch = run_to_running(h)
     rows = [[s, 1e9 + h.t, 4.0 if s == 8 else 0.01, 0.0, 0.008, 0.0, 0.002] for s in range(6, 11)]
     for rank in (0, 1):
-        h.feed(RankMessage, "a", {"kind": "steps", "rank": rank, "gen": 0, "rows": rows})
+        h.feed(rank_from_wire, "a", {"kind": "steps", "rank": rank, "generation": 0, "rows": rows})
     out = h.advance(7.0)  # 7 s > floor 3 s, but a 4 s step was seen: the limit is 8 s
     assert h.of(Diagnose, out) == []
     out = h.advance(1.5)
@@ -347,8 +387,10 @@ def test_a_rank_stuck_in_setup_is_caught_by_its_own_bound() -> None:
     h.feed(Submitted, JobSubmission(spec=spec, policy=policy))
     [launch] = h.launches("a")
     for rank in (0, 1):
-        h.feed(RankMessage, "a", {"kind": "phase", "phase": "setup", "rank": rank, "gen": 0})
-    h.feed(RankMessage, "a", {"kind": "rank_started", "rank": 0, "gen": 0, "start_step": 0})
+        h.feed(rank_from_wire, "a",
+               {"kind": "phase", "phase": "setup", "rank": rank, "generation": 0})
+    h.feed(rank_from_wire, "a",
+           {"kind": "rank_started", "rank": 0, "generation": 0, "start_step": 0})
     assert h.of(Diagnose, h.advance(29.0)) == []
     out = h.advance(2.0)  # rank 1 has been in setup for 31 s
     assert h.of(Diagnose, out) == [Diagnose("a", 0)]
@@ -455,7 +497,7 @@ def test_failure_during_the_preemption_checkpoint_keeps_the_job_preempted() -> N
     h = Harness()
     run_to_running(h)
     h.committed("a", 0, 20)
-    h.feed(Request, "a", "preempt")
+    h.feed(request_from_wire, "a", "preempt")
     h.exit("a", 0, 1, "preempted", 30)
     h.fail("a", 0, 0, step=30, error="RuntimeError: preemption checkpoint at step 30 did not "
                                     "commit")
@@ -500,10 +542,10 @@ def test_preempted_over_and_over_with_failing_commits_never_fails_the_job() -> N
     run_to_running(h, "low")
     h.committed("low", 0, 10)
     for gen in range(JobSpec.max_restarts + 2):
-        h.feed(Request, "low", "preempt")
+        h.feed(request_from_wire, "low", "preempt")
         uncommitted_exit(h, "low", gen, 2, 12 + gen)
         assert h.state("low") == "PREEMPTED", gen
-        h.feed(Request, "low", "resume")
+        h.feed(request_from_wire, "low", "resume")
         h.steps("low", gen + 1, 12 + gen + 1)
     assert h.state("low") == "RUNNING" and h.m.status("low").restarts == 0
     assert len(h.events("low", "uncommitted")) == JobSpec.max_restarts + 2
@@ -516,7 +558,7 @@ def test_inject_delivers_to_the_rank_and_planned_faults_travel_with_the_launch()
     assert h.launches("a")[0].faults == (planned,)
     h.steps("a", 0, 5)
     fault = Fault("slow", rank=0, factor=2.0)
-    out = h.feed(Request, "a", "inject", fault)
+    out = h.feed(request_from_wire, "a", "inject", fault)
     assert h.of(Deliver, out) == [Deliver("a", h.launches("a")[0].addresses[0], fault)]
 
 
@@ -542,7 +584,7 @@ def test_unknown_request_is_an_error() -> None:
     h = Harness()
     run_to_running(h)
     with pytest.raises(ValueError, match="unknown request 'frobnicate'"):
-        h.feed(Request, "a", "frobnicate")
+        h.feed(request_from_wire, "a", "frobnicate")
 
 
 def test_forgotten_jobs_leave_the_machine_and_the_scheduler() -> None:
@@ -571,8 +613,9 @@ def test_a_nonfinite_metric_is_alerted_once_and_halts_when_asked() -> None:
         h.committed("a", 0, 4)
         for step in (5, 6):
             for rank in (0, 1):
-                h.feed(RankMessage, "a", {"kind": "steps", "rank": rank, "gen": 0, "rows": [
-                    [step, 0.0, 0.01, 0.0, 0.008, 0.0, 0.002, {"loss": float("nan")}]]})
+                row = [step, 0.0, 0.01, 0.0, 0.008, 0.0, 0.002, {"loss": float("nan")}]
+                h.feed(rank_from_wire, "a",
+                       {"kind": "steps", "rank": rank, "generation": 0, "rows": [row]})
         [event] = h.events("a", "nonfinite")
         assert event["metric"] == "loss" and event["value"] == "nan" and event["step"] == 5
         assert event["halting"] is (mode == "halt")
@@ -636,7 +679,8 @@ def test_a_commit_the_controller_never_heard_of_corrects_the_faults_resume_step(
             h.join()
     [fault] = h.m.status("a").faults
     assert (fault["resume_step"], fault["lost_steps"]) == (10, 5)
-    h.feed(RankMessage, "a", {"kind": "rank_started", "rank": 0, "gen": 1, "start_step": 12})
+    h.feed(rank_from_wire, "a",
+           {"kind": "rank_started", "rank": 0, "generation": 1, "start_step": 12})
     [fault] = h.m.status("a").faults
     assert (fault["resume_step"], fault["lost_steps"]) == (12, 3)
 

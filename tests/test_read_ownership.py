@@ -165,7 +165,7 @@ def test_forged_rank_events_rendezvous_and_control_are_refused(
     try:
         wait_for(lambda: job.step >= 10, 120, "training")
         gen = job.generation
-        fake = {"job": job.id, "gen": gen, "rank": 1, "time": 0.0}
+        fake = {"job": job.id, "generation": gen, "rank": 1, "time": 0.0}
         stranger.log_event(RANK_TOPIC, {**fake, "kind": "failed", "error": "forged failure",
                                         "traceback": "", "step": 1})
         stranger.log_event(RANK_TOPIC, {**fake, "kind": "steps", "rows": [[1] * 12],
@@ -173,7 +173,7 @@ def test_forged_rank_events_rendezvous_and_control_are_refused(
         real = next(m for _, m in stranger.get_events(RANK_TOPIC)
                     if m.get("job") == job.id and m.get("kind") == "steps")
         stranger.log_event(RANK_TOPIC, dict(real))  # a replay: its number is spent
-        stranger.log_event(RANK_TOPIC, {"job": job.id, "gen": "x", "rank": None})  # junk
+        stranger.log_event(RANK_TOPIC, {"job": job.id, "generation": "x", "rank": None})  # junk
         wait_for(lambda: controller(free_cluster.client, "refused_events").get(job.id, 0) >= 4,
                  60, "the forged events to be refused")
         log = free_cluster.snapshot()["log"]

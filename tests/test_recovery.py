@@ -19,7 +19,7 @@ def _committed_before(job: nbtrain.JobHandle, generation: int) -> int:
     """The newest step whose checkpoint committed during ``generation`` (0 if none)."""
     steps = [int(e["step"]) for e in job.events
              if e["kind"] == "checkpoint" and e.get("phase") == "committed"
-             and e.get("gen") == generation]
+             and e.get("generation") == generation]
     return max(steps, default=0)
 
 
@@ -41,7 +41,7 @@ def test_sigkill_a_rank_worker_recovers_exactly(free_cluster: nbtrain.Cluster, t
     # the kill (the kill can land between a snapshot and its commit, so >= the one before).
     assert fault["resume_step"] >= _committed_before(job, 0)
     assert fault["resume_step"] >= (step - 1) // 4 * 4 - 4
-    resumed = [e for e in job.events if e["kind"] == "rank_started" and e["gen"] == 1]
+    resumed = [e for e in job.events if e["kind"] == "rank_started" and e["generation"] == 1]
     assert {e["start_step"] for e in resumed} == {fault["resume_step"]}
     assert_params_equal(tmp_path, single_process_params(STEPS))
     recovery = [e for e in job.events if e["kind"] == "recovery"]
@@ -84,12 +84,23 @@ def test_exception_with_no_restarts_fails_with_report(free_cluster: nbtrain.Clus
 def test_budget_exhausted_lists_faults_and_frees_slots(free_cluster: nbtrain.Cluster) -> None:
     # The recipe raises at step 7 in every generation: one restart, then FAILED.
     job = free_cluster.submit(Regression(raise_at=7, raise_rank=1), world_size=2, steps=STEPS,
-                              checkpoint=3, max_restarts=1)
+                              checkpoint=3, max_restarts=1, fail_fast=False)
     assert job.wait(120) is JobState.FAILED
     assert "restart budget spent (max_restarts=1" in job.reason
     assert len(job.faults) == 2
     assert job.error is not None
     assert job.error.count("exception on rank 1 (127.0.0.1) at step 7") == 2
+    wait_for(lambda: len(free_cluster.free_slots) == 2, 60, "every slot free")
+
+
+def test_fail_fast_ends_a_job_that_raises_at_the_same_step_again(
+        free_cluster: nbtrain.Cluster) -> None:
+    # The default: one retry shows it is the code, not the node; the budget is not spent.
+    job = free_cluster.submit(Regression(raise_at=7, raise_rank=1), world_size=2, steps=STEPS,
+                              checkpoint=3, max_restarts=3)
+    assert job.wait(120) is JobState.FAILED
+    assert job.reason.startswith("the same exception twice at step 7 on rank 1"), job.reason
+    assert len(job.faults) == 2 and job.restarts == 1
     wait_for(lambda: len(free_cluster.free_slots) == 2, 60, "every slot free")
 
 

@@ -10,7 +10,8 @@ from dataclasses import replace
 
 from nbtrain.core.faults import Fault
 from nbtrain.core.job import JobSpec
-from nbtrain.core.lifecycle_types import JobSubmission, Launch, Rejected, Request, Submitted
+from nbtrain.core.lifecycle_types import JobSubmission, Launch, Rejected, Submitted
+from nbtrain.core.machine_events import request_from_wire
 from tests.test_lifecycle import POLICY, Harness
 
 
@@ -68,7 +69,7 @@ def test_queued_jobs_keep_their_order_and_held_jobs_stay_held() -> None:
     h.submit("run")
     for jid in ("q1", "q2", "q3"):
         h.submit(jid)
-    h.feed(Request, "q2", "preempt")  # held while queued
+    h.feed(request_from_wire, "q2", "preempt")  # held while queued
     assert h.state("q2") == "PREEMPTED"
     n = carry_over(h, ["run", "q1", "q2", "q3"])
     assert [c.job_id for c in n.of(Launch)] == ["run"]
@@ -80,7 +81,7 @@ def test_queued_jobs_keep_their_order_and_held_jobs_stay_held() -> None:
         n.exit("run", 1, r)
     n.advance(1.0)
     assert [c.job_id for c in n.of(Launch)] == ["run", "q1"]
-    n.feed(Request, "q2", "resume")
+    n.feed(request_from_wire, "q2", "resume")
     assert n.state("q2") == "QUEUED"
     for done in ("q1", "q3"):
         n.steps(done, 0, 1000)
@@ -95,13 +96,13 @@ def test_a_held_job_can_be_stopped_and_a_queue_false_job_is_not_rejected() -> No
     h = Harness(workers=2)
     h.submit("busy")
     h.feed(Submitted, JobSubmission(spec=_spec("held"), policy=POLICY))
-    h.feed(Request, "held", "preempt")
+    h.feed(request_from_wire, "held", "preempt")
     h.feed(Submitted, JobSubmission(spec=_spec("strict", 2, queue=False), policy=POLICY))
     n = Harness(workers=0)
     for jid in ("busy", "held"):
         n.feed(Submitted, replace(h.m._jobs[jid].sub, carried=h.m.carry(jid)))
     assert not n.of(Rejected)
-    n.feed(Request, "held", "stop")
+    n.feed(request_from_wire, "held", "stop")
     assert n.state("held") == "CANCELLED"
 
 
@@ -143,7 +144,7 @@ def test_an_elastic_job_restarts_at_the_size_its_user_asked_for() -> None:
     h.feed(Submitted, JobSubmission(spec=_spec("el", 2, min_size=1, max_size=2),
                                     policy=POLICY))
     h.steps("el", 0, 10)
-    h.feed(Request, "el", "resize", {"size": 1})
+    h.feed(request_from_wire, "el", "resize", {"size": 1})
     n = carry_over(h, ["el"])
     [launch] = n.launches("el")
     assert len(launch.addresses) == 1
@@ -155,19 +156,19 @@ def test_requests_are_judged_by_the_machine() -> None:
     h = Harness(workers=3)
     h.feed(Submitted, JobSubmission(spec=_spec("el", 2, min_size=1, max_size=3),
                                     policy=POLICY))
-    out = h.feed(Request, "el", "resume")
+    out = h.feed(request_from_wire, "el", "resume")
     assert [c.reason for c in h.of(Rejected, out)] == [
         "job job-el is STARTING: only a PREEMPTED job can resume(); to continue an ended job "
         "submit it again with resume='latest'"]
-    out = h.feed(Request, "el", "inject", Fault(kind="raise", rank=2))
+    out = h.feed(request_from_wire, "el", "inject", Fault(kind="raise", rank=2))
     assert [c.reason for c in h.of(Rejected, out)] == ["rank must be in 0..1, got 2"]
     h.steps("el", 0, 5)
-    h.feed(Request, "el", "resize", {"size": 3})
+    h.feed(request_from_wire, "el", "resize", {"size": 3})
     h.steps("el", 0, 6)
     h.committed("el", 0, 6)
     for r in (0, 1):
         h.exit("el", 0, r, outcome="preempted", step=6)
     h.advance(1.0)
     assert len(h.launches("el")[-1].addresses) == 3
-    out = h.feed(Request, "el", "inject", Fault(kind="raise", rank=2))
+    out = h.feed(request_from_wire, "el", "inject", Fault(kind="raise", rank=2))
     assert not h.of(Rejected, out), "rank 2 of the grown job is a real rank"

@@ -61,7 +61,7 @@ def test_priority_job_of_another_client_preempts_and_the_victim_resumes_exactly(
         # The victim resumes from the checkpoint it took where it stopped, and trains on.
         wait_for(lambda: low.generation == 1 and low.step >= pre["step"] + 10, 120,
                  "the victim training again")
-        resumed = [e for e in low.events if e["kind"] == "rank_started" and e["gen"] == 1]
+        resumed = [e for e in low.events if e["kind"] == "rank_started" and e["generation"] == 1]
         assert {e["start_step"] for e in resumed} == {pre["step"]}
         low.stop()
         assert low.wait(120) is JobState.CANCELLED

@@ -66,7 +66,7 @@ def test_replace_policy_moves_the_slow_rank_to_a_spare() -> None:
         slow_slot = next(a["slot"] for a in job.alerts
                          if a["kind"] == "mitigation" and a["action"] == "replace")
         assert slow_slot not in job.slots  # the new generation avoids it
-        started = [e for e in job.events if e["kind"] == "rank_started" and e["gen"] == 1]
+        started = [e for e in job.events if e["kind"] == "rank_started" and e["generation"] == 1]
         assert {e["start_step"] for e in started} == {min(e["start_step"] for e in started)}
         assert started[0]["start_step"] > 30  # resumed from the replacement checkpoint
         job.stop()

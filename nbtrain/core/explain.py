@@ -7,7 +7,7 @@ there is one, the fix.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from nbtrain.core.job import JobState
@@ -167,3 +167,17 @@ def resume_rejected(name: str, state: JobState) -> str:
     """Why a job in ``state`` cannot ``resume()``, and what to do instead."""
     return (f"job {name} is {state.value}: only a PREEMPTED job can resume(); to continue "
             "an ended job submit it again with resume='latest'")
+
+
+def repeated_exception(faults: Sequence[Mapping[str, Any]]) -> str | None:
+    """Why ``fail_fast`` ends the job: the newest fault is an exception with the same message,
+    on the same rank at the same step, as the fault before it; else None."""
+    if len(faults) < 2:
+        return None
+    last, before = faults[-1], faults[-2]
+    same = all(last.get(k) == before.get(k) for k in ("what", "rank", "step", "error"))
+    if not same or last.get("what") != "exception":
+        return None
+    return (f"the same exception twice at step {last['step']} on rank {last['rank']}: "
+            f"{last['error']} (fail_fast: a bug in the training code fails at once; fix it "
+            "and submit again, or submit(..., fail_fast=False) to retry it like any fault)")

@@ -120,6 +120,10 @@ class JobSpec:
     #: Automatic restarts allowed within ``restart_window_s`` before the job is FAILED.
     max_restarts: int = 3
     restart_window_s: float = 3600.0
+    #: An exception with the same message at the same step as the fault before it (a bug
+    #: in the training code, not a flaky node) fails the job at once instead of spending
+    #: the rest of ``max_restarts``; False retries it like any fault.
+    fail_fast: bool = True
     #: ``"gpu"`` (GPU slots, NCCL), ``"cpu"`` (CPU slots, gloo) or ``"auto"``: GPU slots when
     #: the cluster has any when the job is queued, else CPU slots.
     device: str = "auto"
@@ -164,6 +168,8 @@ class JobSpec:
                 f"max_restarts must be an integer >= 0, got {self.max_restarts!r}: "
                 "0 fails the job at its first fault"
             )
+        if not isinstance(self.fail_fast, bool):
+            raise ValueError(f"fail_fast must be True or False, got {self.fail_fast!r}")
         if (not isinstance(self.restart_window_s, int | float)
                 or not math.isfinite(self.restart_window_s) or self.restart_window_s <= 0):
             raise ValueError(f"restart_window_s must be a finite number of seconds > 0, got "

@@ -67,19 +67,20 @@ class Work:
 
     ``queued``: queued jobs a scheduling pass walked; ``fits``: placement attempts;
     ``running``: running or stopping jobs looked at (reservation, shrink, grow, preemption
-    candidates); ``slots``: slot entries copied or scanned in bulk (state copies, releases,
-    victim search), which at a fixed cluster size is bounded but not free.
+    candidates); ``slot_entries``: slot entries copied or scanned in bulk (state copies,
+    releases, victim search), which at a fixed cluster size is bounded but not free. (A
+    count; ``slots`` elsewhere is always a tuple of slot ids.)
     """
 
     events: int = 0
     queued: int = 0
     fits: int = 0
     running: int = 0
-    slots: int = 0
+    slot_entries: int = 0
 
     def total(self) -> int:
         """All units but ``events``, each weighted 1: a coarse cost of the decisions so far."""
-        return self.queued + self.fits + self.running + self.slots
+        return self.queued + self.fits + self.running + self.slot_entries
 
 
 class PreemptionRecord(NamedTuple):
@@ -271,7 +272,7 @@ class JobBook:
             self._stopping.pop(j.seq, None)
         if j.size:
             self._state.release(j.idx)
-            self.work.slots += j.size
+            self.work.slot_entries += j.size
             self._fair.hold(j.req.team, -j.size)
             self._cap_cache.clear()
         j.idx = EMPTY
@@ -332,7 +333,7 @@ class JobBook:
             yield t, j
 
     def _copy(self, st: SlotState) -> SlotState:
-        self.work.slots += self.topo.n_slots
+        self.work.slot_entries += self.topo.n_slots
         return st.copy()
 
     def _placement(self, j: JobRecord, idx: IntArray) -> Placement:
@@ -361,7 +362,7 @@ class JobBook:
         if j.first_start_t is None:
             j.first_start_t = self.now
         self._index(j)
-        self.work.slots += int(idx.shape[0])
+        self.work.slot_entries += int(idx.shape[0])
         return StartJob(j.req.job_id, self._placement(j, idx))
 
     def _move(self, j: JobRecord, idx: IntArray, reason: str) -> ResizeJob:
@@ -375,7 +376,7 @@ class JobBook:
         j.start_t = self.now
         j.last_ckpt_t = self.now
         self._index(j)
-        self.work.slots += old + int(idx.shape[0])
+        self.work.slot_entries += old + int(idx.shape[0])
         return ResizeJob(j.req.job_id, self._placement(j, idx), old, reason)
 
     def _preempt(
@@ -510,7 +511,7 @@ class JobBook:
     def _own_fit(self, j: JobRecord, size: int) -> IntArray | None:
         """Placement of ``j`` at ``size`` inside the slots it holds now."""
         self.work.fits += 1
-        self.work.slots += self.topo.n_slots
+        self.work.slot_entries += self.topo.n_slots
         own = np.zeros(self.topo.n_slots, dtype=np.int64)
         own[j.idx] = FREE
         return place_indices(SlotState(self.topo, own), size, j.req.layout,

@@ -3,7 +3,8 @@
 Events travel as plain dicts (msgpack on Dask's wire, JSON in reports), so they are typed here
 as ``TypedDict``s, one per ``kind``, and built only through the constructors below. Every
 event has ``kind`` and ``time`` (wall-clock seconds, for people; durations use monotonic
-clocks). Rank events also carry ``job``, ``rank`` and ``gen`` (the generation).
+clocks). Rank events also carry ``job``, ``rank`` and ``generation``; records written before
+that name was used everywhere say ``gen``, and readers take either (:func:`generation_of`).
 
 Producers: the rank runtime (``rank_started``, ``checkpoint``, ``fault_injected``,
 ``rank_failed``, ``rank_finished``, the ``steps`` batches and the ``log`` batches of its
@@ -15,11 +16,13 @@ handle, the views, the report.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal, TypedDict
 
 __all__ = [
     "CONTROLLER_KINDS",
     "RANK_KINDS",
+    "SHELL_KINDS",
     "FaultEvent",
     "KnobAppliedEvent",
     "KnobSetEvent",
@@ -30,17 +33,21 @@ __all__ = [
     "ResizeEvent",
     "SlowEvent",
     "StateEvent",
+    "TrackerEvent",
     "UncommittedEvent",
     "fault_event",
+    "generation_of",
     "knob_applied_event",
     "knob_set_event",
     "knobs_event",
     "nonfinite_event",
     "preemption_event",
     "recovery_event",
+    "renamed_fields",
     "resize_event",
     "slow_event",
     "state_event",
+    "tracker_event",
     "uncommitted_event",
 ]
 
@@ -52,6 +59,8 @@ RANK_KINDS = ("steps", "device", "rank_started", "checkpoint", "fault_injected",
 #: Kinds the job machine emits.
 CONTROLLER_KINDS = ("state", "fault", "recovery", "preemption", "straggler", "mitigation",
                     "nonfinite", "resize", "slow", "uncommitted", "knob_set")
+#: Kinds the controller's shell adds to a job's log (a tracker that cannot write).
+SHELL_KINDS = ("tracker",)
 
 
 class StateEvent(TypedDict):
@@ -184,6 +193,18 @@ def state_event(time: float, state: str, reason: str) -> StateEvent:
     return {"kind": "state", "time": time, "state": state, "reason": reason}
 
 
+class TrackerEvent(TypedDict):
+    """A tracker (TensorBoard, MLflow) could not write; the job goes on. Sent from the
+    tracker's thread, without a time (the log keeps it in order)."""
+
+    kind: Literal["tracker"]
+    error: str
+
+
+def tracker_event(error: str) -> TrackerEvent:
+    return {"kind": "tracker", "error": error}
+
+
 def fault_event(time: float, *, what: str, cause: str, rank: int | None, host: str | None,
                 step: int, error: str, generation: int, detect_s: float | None
                 ) -> FaultEvent:
@@ -263,9 +284,26 @@ def knob_applied_event(time: float, *, step: int, changes: list[dict[str, Any]],
             "values": values}
 
 
-def rank_event(kind: str, *, job: str, rank: int, gen: int, time: float,
+def rank_event(kind: str, *, job: str, rank: int, generation: int, time: float,
                **info: Any) -> dict[str, Any]:
     """A rank runtime event (one of ``RANK_KINDS``), as sent over Dask's event plane."""
     if kind not in RANK_KINDS:
         raise ValueError(f"unknown rank event kind {kind!r}; one of {', '.join(RANK_KINDS)}")
-    return {"kind": kind, "job": job, "rank": rank, "gen": gen, "time": time, **info}
+    return {"kind": kind, "job": job, "rank": rank, "generation": generation, "time": time,
+            **info}
+
+
+def generation_of(record: Mapping[str, Any], default: Any = None) -> Any:
+    """The generation a rank event or output line names: ``generation``, or ``gen`` in a
+    record written before (a journal, a run record on disk, a rank of an older version)."""
+    value = record.get("generation", default)
+    return record.get("gen", default) if value is default else value
+
+
+def renamed_fields(record: Any) -> Any:
+    """A record as written before ``gen`` was renamed ``generation`` (a rank event or an
+    output line in a journal or run record on disk), in today's names; anything else as
+    it is."""
+    if not isinstance(record, dict) or "gen" not in record or "generation" in record:
+        return record
+    return {("generation" if k == "gen" else k): v for k, v in record.items()}

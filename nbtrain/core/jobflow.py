@@ -20,11 +20,27 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nbtrain.core.explain import fault_list, restart_budget, resume_rejected
+from nbtrain.core.clusterevents import job_line_event
+from nbtrain.core.explain import (
+    fault_list,
+    repeated_exception,
+    restart_budget,
+    resume_rejected,
+)
+from nbtrain.core.faults import Fault
 from nbtrain.core.job import JobState
 from nbtrain.core.jobevents import preemption_event, resize_event, uncommitted_event
 from nbtrain.core.jobrecord import CONTROLLER_RESTARTED, Generation, LiveJob, Preemption
 from nbtrain.core.lifecycle_types import CarriedHistory, Deliver, Rejected
+from nbtrain.core.machine_events import (
+    CheckpointRequested,
+    FaultInjectionRequested,
+    PreemptRequested,
+    ResumeRequested,
+    StopRequested,
+    StragglerTuningRequested,
+    UserRequest,
+)
 from nbtrain.core.outbox import Outbox
 from nbtrain.core.placement import Placement
 from nbtrain.core.resizeplan import PendingResize
@@ -32,7 +48,8 @@ from nbtrain.core.sched_types import Failed, Released, Resume, Suspend
 from nbtrain.core.straggler import StragglerSettings
 
 __all__ = ["Admit", "EndJob", "Next", "Relaunch", "generation_ended", "generation_failed",
-           "launched", "preempted_for", "request", "resize_decided", "restore"]
+           "launched", "preempted_for", "refused_when_ended", "request", "resize_decided",
+           "restore"]
 
 
 @dataclass(frozen=True)
@@ -125,8 +142,8 @@ def resize_decided(job: LiveJob, placement: Placement, reason: str, *, now: floa
         return
     job.plan.decided = PendingResize(placement=placement, old_size=gen.size, reason=reason,
                                      asked=now)
-    out.publish_cluster({"kind": "resize", "job": job.id,
-                         "reason": f"{job.name} resized {gen.size} -> {new} ranks: {reason}"})
+    out.publish_cluster(job_line_event("resize", job.id,
+                                       f"{job.name} resized {gen.size} -> {new} ranks: {reason}"))
     job.plan.update_note(gen.size, unit)
     out.publish(job, resize_event(out.wall, phase="requested", old=gen.size, new=new,
                                   reason=reason, generation=gen.number))
@@ -148,60 +165,72 @@ def preempted_for(job: LiveJob, reason: str, *, for_job: str | None, grace_s: fl
         return
     job.preempt = Preemption(cause="scheduler", reason=reason, deadline=now + grace_s,
                              for_job=for_job)
-    out.publish_cluster({"kind": "preemption", "job": job.id,
-                         "reason": f"{job.name} preempted: {reason}"})
+    out.publish_cluster(job_line_event("preemption", job.id, f"{job.name} preempted: {reason}"))
     out.set_control(job, preempt=1)
     out.set_state(job, JobState.STOPPING, f"{reason}: checkpointing at the next step boundary, "
                                           f"then releasing its slots (grace {grace_s:.0f} s)")
 
 
 # ====================================================================== requests
-def request(job: LiveJob, what: str, arg: Any, *, now: float, grace_s: float,
-            scheduled: bool, out: Outbox) -> Next:
-    """A user's request other than ``resize`` (the machine asks the scheduler about that):
-    ``stop``, ``preempt``, ``resume``, ``checkpoint``, ``stragglers`` (detector settings) or
-    ``inject`` (a fault). ``grace_s``: a preemption's time to checkpoint; ``scheduled``: the
-    gang scheduler exists (a worker has joined)."""
-    if what == "stop":
+def request(job: LiveJob, ev: UserRequest, *, now: float, grace_s: float, scheduled: bool,
+            out: Outbox) -> Next:
+    """A user's request other than a size (the machine asks the scheduler about that) or a
+    knob change (:mod:`nbtrain.core.knobflow`'s): stop, preempt, resume, checkpoint, detector
+    settings or a fault to inject. ``grace_s``: a preemption's time to checkpoint;
+    ``scheduled``: the gang scheduler exists (a worker has joined)."""
+    if isinstance(ev, StopRequested):
         return _stop(job, out)
-    if what == "preempt":
+    if isinstance(ev, PreemptRequested):
         return _preempt(job, now, grace_s, scheduled, out)
-    if what == "resume":
+    if isinstance(ev, ResumeRequested):
         return _resume(job, now, scheduled, out)
-    if what == "checkpoint":
+    if isinstance(ev, CheckpointRequested):
         if job.gen is not None:
             job.checkpoint_seq += 1
             out.set_control(job, checkpoint=job.checkpoint_seq)
-    elif what == "stragglers":
-        if not isinstance(arg, Mapping):
-            out.add(Rejected(job.id, "straggler settings must be a mapping of setting names to "
-                                     f"values, e.g. {{'window': 16}}; got {type(arg).__name__}"))
-            return None
-        known = {f.name for f in dataclasses.fields(StragglerSettings)}
-        unknown = sorted(map(str, set(arg) - known))
-        if unknown:
-            out.add(Rejected(job.id, f"unknown straggler settings {unknown}; the settings "
-                                     f"are {', '.join(sorted(known))}"))
-            return None
-        try:  # settings a client sent: refused in words, never a failed job
-            events = job.stragglers.update(**arg)
-        except (TypeError, ValueError) as exc:
-            out.add(Rejected(job.id, str(exc)))
-            return None
-        for event in events:
-            out.publish(job, event)
-    elif what == "inject":
-        refused = inject_rejected(job, arg.rank)
-        if refused:
-            out.add(Rejected(job.id, refused))
-            return None
-        gen = job.gen
-        job.planned.append(arg)
-        if gen is not None:
-            out.add(Deliver(job.id, gen.addresses[arg.rank], arg))
+    elif isinstance(ev, StragglerTuningRequested):
+        _tune_stragglers(job, ev.changes, out)
+    elif isinstance(ev, FaultInjectionRequested):
+        _inject(job, ev.fault, out)
     else:
-        raise ValueError(f"unknown request {what!r}")
+        raise TypeError(f"no request handler for {type(ev).__name__}")
     return None
+
+
+def refused_when_ended(job: LiveJob, ev: UserRequest) -> str:
+    """Why an ended job refuses ``ev`` ("" for requests with nothing to do, said nothing)."""
+    if isinstance(ev, ResumeRequested):
+        return resume_rejected(job.name, job.state)
+    if isinstance(ev, FaultInjectionRequested):
+        return inject_rejected(job, ev.fault.rank)
+    return ""
+
+
+def _tune_stragglers(job: LiveJob, changes: Mapping[str, Any], out: Outbox) -> None:
+    known = {f.name for f in dataclasses.fields(StragglerSettings)}
+    unknown = sorted(map(str, set(changes) - known))
+    if unknown:
+        out.add(Rejected(job.id, f"unknown straggler settings {unknown}; the settings "
+                                 f"are {', '.join(sorted(known))}"))
+        return
+    try:  # settings a client sent: refused in words, never a failed job
+        events = job.stragglers.update(**changes)
+    except (TypeError, ValueError) as exc:
+        out.add(Rejected(job.id, str(exc)))
+        return
+    for event in events:
+        out.publish(job, event)
+
+
+def _inject(job: LiveJob, fault: Fault, out: Outbox) -> None:
+    refused = inject_rejected(job, fault.rank)
+    if refused:
+        out.add(Rejected(job.id, refused))
+        return
+    gen = job.gen
+    job.planned.append(fault)
+    if gen is not None:
+        out.add(Deliver(job.id, gen.addresses[fault.rank], fault))
 
 
 def _stop(job: LiveJob, out: Outbox) -> Next:
@@ -303,8 +332,8 @@ def _preempted(job: LiveJob, gen: Generation, step: int, now: float, avoid: froz
         job.plan.decided, job.plan.launched = None, pending
         return Relaunch(pending.placement)
     if pre.cause == "user":
-        out.publish_cluster({"kind": "preemption", "job": job.id,
-                             "reason": f"{job.name} preempted by its owner at step {step}"})
+        out.publish_cluster(job_line_event("preemption", job.id,
+                                           f"{job.name} preempted by its owner at step {step}"))
         job.ledger.enter("queued", now)
         done = (f"released its slots; its checkpoint did not commit, so it resumes from step "
                 f"{step}" if uncommitted else f"checkpointed at step {step} and released its slots")
@@ -350,6 +379,11 @@ def generation_failed(job: LiveJob, gen: Generation, fault: dict[str, Any], *, n
         job.preempt = None
         return EndJob(JobState.CANCELLED,
                       f"stopped by user; a rank failed meanwhile: {fault['error']}")
+    repeated = repeated_exception(job.fault_log) if spec.fail_fast else None
+    if repeated is not None:
+        job.preempt = None
+        job.error = f"{repeated}; faults: {fault_list(job.fault_log)}\n\n{fault['_report']}"
+        return EndJob(JobState.FAILED, repeated)
     recent = [t for t in job.restarts if now - t < spec.restart_window_s]
     if len(recent) >= spec.max_restarts:
         job.preempt = None

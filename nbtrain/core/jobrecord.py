@@ -6,12 +6,14 @@ reads :class:`JobStatus`, a frozen snapshot.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from nbtrain.core.faults import Fault
 from nbtrain.core.goodput import GoodputLedger
-from nbtrain.core.job import JobState
+from nbtrain.core.job import JobSpec, JobState
+from nbtrain.core.jobevents import fault_event
 from nbtrain.core.knobs import KnobBook
 from nbtrain.core.lifecycle_types import CarriedHistory, JobSubmission, RankFailureInfo
 from nbtrain.core.resizeplan import ResizePlan
@@ -106,6 +108,59 @@ class JobStatus:
     def to_dict(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
 
+    @classmethod
+    def before_news(cls, spec: JobSpec, *, submitted: float) -> JobStatus:
+        """What a client knows of a job before the controller says more: its spec."""
+        return cls(job_id=spec.job_id, name=spec.name, owner="", team=spec.team,
+                   priority=spec.priority, world_size=spec.world_size, steps=spec.steps,
+                   state=JobState.QUEUED.value, reason="waiting for the scheduler",
+                   generation=-1, slots=(), step=0, error=None, restarts=0, faults=(),
+                   goodput={}, submitted=submitted, started=None, ended=None, size=0,
+                   min_size=spec.bounds[0], max_size=spec.bounds[1],
+                   target_size=spec.world_size, resize_note="")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], fallback: JobStatus) -> JobStatus:
+        """A status as it came over the wire (``to_dict()``, or the part of it a client may
+        see: ``nbtrain.engine.access.shown_status``), parsed once. A field that is missing,
+        ``None`` where it may not be, or unreadable (a bad record, an older controller)
+        keeps ``fallback``'s value; a state that is not a ``JobState`` too."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in data:
+                continue
+            read = _STATUS_READERS.get(str(f.type))
+            try:
+                value = data[f.name] if read is None else read(data[f.name])
+            except (TypeError, ValueError, OverflowError):
+                continue
+            if value is not None or str(f.type).endswith("| None"):
+                values[f.name] = value
+        if values.get("state") not in {s.value for s in JobState}:
+            values.pop("state", None)
+        return replace(fallback, **values)
+
+
+def _none_or(kind: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    return lambda v: None if v is None else kind(v)
+
+
+def _faults(value: Any) -> tuple[dict[str, Any], ...]:
+    return tuple(dict(f) for f in value if isinstance(f, Mapping))
+
+
+def _goodput(value: Any) -> dict[str, float]:
+    return {str(k): float(v) for k, v in dict(value).items()}
+
+
+#: How each annotation of a ``JobStatus`` field is read from a wire value.
+_STATUS_READERS: dict[str, Callable[[Any], Any]] = {
+    "str": _none_or(str), "str | None": _none_or(str), "int": _none_or(int),
+    "int | None": _none_or(int), "float": _none_or(float), "float | None": _none_or(float),
+    "tuple[str, ...]": _none_or(lambda v: tuple(str(x) for x in v)),
+    "tuple[dict[str, Any], ...]": _none_or(_faults), "dict[str, float]": _none_or(_goodput),
+}
+
 
 class LiveJob:
     """The machine's record of one job."""
@@ -187,14 +242,14 @@ class LiveJob:
             self.knobs.offer(self.stragglers.specs())
             self.stragglers.follow(self.knobs.history)
         lost = max(0, self.step - self.committed_step)
-        fault = {"kind": "fault", "time": wall, "what": "controller", "rank": None,
-                 "host": None, "step": self.step, "generation": self.generation,
-                 "cause": f"{CONTROLLER_RESTARTED}: the job continues from its newest "
-                          f"committed checkpoint (step {self.committed_step})",
-                 "error": CONTROLLER_RESTARTED, "detect_s": None,
-                 "lost_steps": lost if carried.generation >= 0 else 0,
-                 "resume_step": self.committed_step, "budget": False,
-                 "_detected_mono": now}
+        fault: dict[str, Any] = {
+            **fault_event(wall, what="controller", rank=None, host=None, step=self.step,
+                          generation=self.generation, error=CONTROLLER_RESTARTED,
+                          cause=f"{CONTROLLER_RESTARTED}: the job continues from its newest "
+                                f"committed checkpoint (step {self.committed_step})",
+                          detect_s=None),
+            "lost_steps": lost if carried.generation >= 0 else 0,
+            "resume_step": self.committed_step, "budget": False, "_detected_mono": now}
         self.fault_log.append(fault)
         return fault
 

@@ -11,40 +11,31 @@ judged with from the step after it (:mod:`nbtrain.core.stragglerwatch`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from nbtrain.core.jobevents import knob_set_event
 from nbtrain.core.jobrecord import LiveJob
 from nbtrain.core.knobs import KnobError
 from nbtrain.core.lifecycle_types import Rejected
+from nbtrain.core.machine_events import KnobChangeRequested, RankKnobApplied, RankKnobs
 from nbtrain.core.outbox import Outbox
 
-__all__ = ["rank_message", "request_set"]
+__all__ = ["applied", "declared", "request_set"]
 
 
-def request_set(job: LiveJob, arg: Any, out: Outbox) -> None:
-    """``job.set(...)``: ``arg`` is ``{"values": {...}, "ramp": n, "shape": s, "who": w}``."""
+def request_set(job: LiveJob, ev: KnobChangeRequested, out: Outbox) -> None:
+    """``job.set(...)``: a pending change when the job's ``KnobBook`` takes it."""
     if job.state.terminal:
         out.add(Rejected(job.id, (
             f"job {job.name} has ended ({job.state.value}): its knobs can no longer change; "
             f"cluster.submit(..., replay=job) runs it again with the changes it had")))
         return
-    if not isinstance(arg, Mapping):
-        out.add(Rejected(job.id, f"a knob change is a mapping with 'values', got "
-                                 f"{type(arg).__name__}"))
-        return
-    values = arg.get("values") or {}
     problem = job.stragglers.knobs.problem(job.stragglers.detector.settings, job.knobs.pending,
-                                           values) if isinstance(values, Mapping) else ""
+                                           ev.values)
     if problem:
         out.add(Rejected(job.id, f"cannot set the knobs of job {job.name}: {problem}"))
         return
     try:
-        change = job.knobs.request(
-            values, ramp=arg.get("ramp", 0),
-            shape=arg.get("shape", "linear"), who=str(arg.get("who", "")), wall=out.wall,
-            job=f"job {job.name}")
+        change = job.knobs.request(ev.values, ramp=ev.ramp, shape=ev.shape, who=ev.who,
+                                   wall=out.wall, job=f"job {job.name}")
     except KnobError as exc:
         out.add(Rejected(job.id, str(exc)))
         return
@@ -52,23 +43,21 @@ def request_set(job: LiveJob, arg: Any, out: Outbox) -> None:
     out.set_control(job)  # the pending changes reach the ranks (no generation: at launch)
 
 
-def rank_message(job: LiveJob, msg: Mapping[str, Any], out: Outbox) -> None:
-    """Rank 0's ``knobs`` (its declarations; the caller passes the current generation's
-    only) or ``knob_applied``
-    (from any generation: its ranks did apply the change at that step, and a checkpoint
-    taken after it holds it)."""
-    kind = msg.get("kind")
-    if kind == "knobs":
-        specs = msg.get("specs")
-        if isinstance(specs, list | tuple):
-            job.knobs.declare(specs)
-    elif kind == "knob_applied":
-        changes = msg.get("changes")
-        step = msg.get("step")
-        if isinstance(changes, list | tuple) and isinstance(step, int):
-            moved = job.knobs.applied(changes, step)
-            if moved:
-                out.set_control(job)  # no longer pending for the ranks
-                # The controller's own knobs (straggler settings) judge the steps after it.
-                for event in job.stragglers.follow(moved):
-                    out.publish(job, event)
+def declared(job: LiveJob, ev: RankKnobs) -> None:
+    """Rank 0's ``knobs``: its declarations (the caller passes the current generation's
+    only)."""
+    if ev.specs is not None:
+        job.knobs.declare(list(ev.specs))
+
+
+def applied(job: LiveJob, ev: RankKnobApplied, out: Outbox) -> None:
+    """Rank 0's ``knob_applied`` (from any generation: its ranks did apply the change at
+    that step, and a checkpoint taken after it holds it)."""
+    if ev.step is None:
+        return
+    moved = job.knobs.applied(ev.changes, ev.step)
+    if moved:
+        out.set_control(job)  # no longer pending for the ranks
+        # The controller's own knobs (straggler settings) judge the steps after it.
+        for event in job.stragglers.follow(moved):
+            out.publish(job, event)

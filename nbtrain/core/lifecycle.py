@@ -40,8 +40,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 from dataclasses import replace
-from typing import Any
 
+from nbtrain.core import clusterevents as ce
 from nbtrain.core import jobflow, knobflow, progress
 from nbtrain.core.explain import (
     describe_fault,
@@ -50,7 +50,6 @@ from nbtrain.core.explain import (
     queue_head_reason,
     rejected_reason,
     resize_rejected,
-    resume_rejected,
     slot_forgotten_reason,
     slot_lost_reason,
     unit,
@@ -76,15 +75,14 @@ from nbtrain.core.lifecycle_types import (
     MachineConfig,
     RankExit,
     RankFailureInfo,
-    RankMessage,
     Rejected,
-    Request,
     RestartWorkers,
     Submitted,
     Tick,
     WorkerJoined,
     WorkerLeft,
 )
+from nbtrain.core.machine_events import KnobChangeRequested, RankEvent, SizeRequested, UserRequest
 from nbtrain.core.mesh import MeshPlan, RankPlace, mesh_plan
 from nbtrain.core.mitigation import SlotInfo
 from nbtrain.core.outbox import Outbox
@@ -113,7 +111,6 @@ from nbtrain.core.slotbook import SlotBook, SlotView
 from nbtrain.core.watchdog import GenerationWatch, Hang, Slow
 
 __all__ = ["JobMachine", "SlotView"]
-
 
 
 class JobMachine:
@@ -152,7 +149,7 @@ class JobMachine:
         return self._out.take()
 
     def _dispatch(self, event: Event) -> None:
-        if isinstance(event, RankMessage):
+        if isinstance(event, RankEvent):
             self._on_rank_message(event)
         elif isinstance(event, RankExit):
             self._on_rank_exit(event)
@@ -160,7 +157,7 @@ class JobMachine:
             self._on_tick()
         elif isinstance(event, Submitted):
             self._on_submitted(event.job)
-        elif isinstance(event, Request):
+        elif isinstance(event, UserRequest):
             self._on_request(event)
         elif isinstance(event, WorkerJoined):
             self._on_worker_joined(event)
@@ -314,7 +311,7 @@ class JobMachine:
                 del self._jobs[job.id]
                 self._out.add(Rejected(job.id, d.reason))
             elif job is not None:
-                self._out.publish_cluster({"kind": "scheduler", "job": job.id, "reason": d.reason})
+                self._out.publish_cluster(ce.job_line_event("scheduler", job.id, d.reason))
         elif isinstance(d, ResizeJob) and job is not None:
             self._resize(job, d)
 
@@ -414,14 +411,14 @@ class JobMachine:
         sharing = self.book.sharing(ev.gpu)
         if sharing is not None and sharing.address != ev.address:
             # Two workers on one GPU: ranks on both would share it by accident.
-            self._out.publish_cluster({
-                "kind": "worker", "what": "refused", "address": ev.address, "host": ev.host,
-                "reason": gpu_shared_reason(ev.gpu, str(sharing.address), sharing.slot)})
+            self._out.publish_cluster(ce.worker_refused_event(
+                address=ev.address, host=ev.host,
+                reason=gpu_shared_reason(ev.gpu, str(sharing.address), sharing.slot)))
             return
         rec = self.book.join(WorkerInfo(address=ev.address, host=ev.host, name=ev.name,
                                         nvlink=ev.nvlink, leaf=ev.leaf, gpu=ev.gpu))
-        self._out.publish_cluster({"kind": "worker", "what": "joined", "slot": rec.slot,
-                                   "address": ev.address, "host": rec.host})
+        self._out.publish_cluster(ce.worker_joined_event(slot=rec.slot, address=ev.address,
+                                                      host=rec.host))
         first = self.sched is None
         if self.sched is None:
             self.sched = DevicePools(self.sched_config, slot_kind=self.book.kind_of,
@@ -436,9 +433,9 @@ class JobMachine:
             # a host split between such a domain and others): the topology is unchanged,
             # so keep the worker out rather than stop the controller.
             self.book.refuse(ev.address, rec.slot)
-            self._out.publish_cluster({
-                "kind": "worker", "what": "refused", "address": ev.address, "host": ev.host,
-                "reason": labels_refused_reason(ev.nvlink or ev.host, ev.leaf, str(exc))})
+            self._out.publish_cluster(ce.worker_refused_event(
+                address=ev.address, host=ev.host,
+                reason=labels_refused_reason(ev.nvlink or ev.host, ev.leaf, str(exc))))
             return
         if first:
             pending, self._pending = self._pending, []
@@ -452,9 +449,8 @@ class JobMachine:
         if rec is None:
             return
         slot = rec.slot
-        self._out.publish_cluster({"kind": "worker", "what": "left", "slot": slot,
-                                   "address": address, "host": rec.host,
-                                   "restarting": self.book.restarting(slot)})
+        self._out.publish_cluster(ce.worker_left_event(slot=slot, address=address, host=rec.host,
+                                                    restarting=self.book.restarting(slot)))
         hit: list[LiveJob] = []
         for job in self._live.values():
             gen = job.gen
@@ -491,11 +487,11 @@ class JobMachine:
         self._out.add(RestartWorkers(tuple(todo), reason))
 
     # ================================================================== rank events
-    def _on_rank_message(self, ev: RankMessage) -> None:
+    def _on_rank_message(self, ev: RankEvent) -> None:
         job = self._jobs.get(ev.job_id)
         if job is None:
             return
-        after = progress.message(job, ev.msg, self.now, self._out)
+        after = progress.message(job, ev, self.now, self._out)
         if after is progress.After.COMMITTED and self.sched is not None:
             self._sched(Checkpointed(self.now, job.id))
         elif after is progress.After.MITIGATE:
@@ -560,18 +556,18 @@ class JobMachine:
                 self._tick_job(job, job.gen)
         for slot in self.book.lost(self.now):
             self._queue_dirty = True
-            self._out.publish_cluster({"kind": "slot_lost", "slot": slot,
-                                       "host": self.inventory.host_of(slot),
-                                       "reason": slot_lost_reason(self.config.worker_return_s)})
+            self._out.publish_cluster(ce.slot_lost_event(
+                slot=slot, host=self.inventory.host_of(slot),
+                reason=slot_lost_reason(self.config.worker_return_s)))
         if self.sched is not None and self.now - self._last_sched_tick >= (
                 self.config.scheduler_tick_s):
             self._last_sched_tick = self.now
             held = {s for job in self._live.values() if job.gen for s in job.gen.slots}
             for rec in self.book.forget_departed(self.now, held, self._sched,
                                                  self.sched.has_slot):
-                self._out.publish_cluster({"kind": "worker", "what": "forgotten",
-                                           "slot": rec.slot, "host": rec.host,
-                                           "reason": slot_forgotten_reason(self.book.forget_s)})
+                self._out.publish_cluster(ce.worker_slot_event(
+                    "forgotten", slot=rec.slot, host=rec.host,
+                    reason=slot_forgotten_reason(self.book.forget_s)))
             self._sched(SchedTick(self.now))
 
     def _tick_job(self, job: LiveJob, gen: Generation) -> None:
@@ -734,34 +730,31 @@ class JobMachine:
                               now=self.now, out=self._out)
 
     # ================================================================== requests
-    def _on_request(self, ev: Request) -> None:
+    def _on_request(self, ev: UserRequest) -> None:
         job = self._jobs.get(ev.job_id)
         if job is None:
             return
-        if ev.what == "set":  # live knobs (core/knobflow.py), ended jobs included
-            knobflow.request_set(job, ev.arg, self._out)
+        if isinstance(ev, KnobChangeRequested):  # live knobs (core/knobflow.py), ended too
+            knobflow.request_set(job, ev, self._out)
             return
         if job.state.terminal:  # nothing to do, but say so for what cannot be done at all
-            refused = (resume_rejected(job.name, job.state) if ev.what == "resume"
-                       else jobflow.inject_rejected(job, ev.arg.rank) if ev.what == "inject"
-                       else "")
+            refused = jobflow.refused_when_ended(job, ev)
             if refused:
                 self._out.add(Rejected(job.id, refused))
             return
-        if ev.what == "resize":
-            self._request_resize(job, ev.arg)
+        if isinstance(ev, SizeRequested):
+            self._request_resize(job, ev)
             return
         self._follow(job, jobflow.request(
-            job, ev.what, ev.arg, now=self.now, grace_s=self.sched_config.preempt_grace_s,
+            job, ev, now=self.now, grace_s=self.sched_config.preempt_grace_s,
             scheduled=self.sched is not None, out=self._out))
 
-    def _request_resize(self, job: LiveJob, arg: Any) -> None:
+    def _request_resize(self, job: LiveJob, ev: SizeRequested) -> None:
         """The user asks for ``size`` ranks. Out of the job's bounds, or above the cluster's
         slots without ``wait_for_workers``: ``Rejected`` with the numbers. Otherwise the
         scheduler decides: at once when the slots are there (a shrink always is), else the
         job keeps its size and grows when enough slots are free at once."""
-        arg = dict(arg)
-        size, wait_for_workers = int(arg["size"]), bool(arg.get("wait_for_workers"))
+        size, wait_for_workers = ev.size, ev.wait_for_workers
         spec = job.spec
         kind = self._kind_of(job) or self._job_kind(job.id)
         reject = resize_rejected(

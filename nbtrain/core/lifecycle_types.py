@@ -13,6 +13,7 @@ from typing import Any
 
 from nbtrain.core.faults import Fault
 from nbtrain.core.job import JobSpec
+from nbtrain.core.machine_events import RankEvent, UserRequest
 from nbtrain.core.mesh import MeshPlan
 from nbtrain.core.mitigation import MitigationSettings
 from nbtrain.core.watchdog import WatchdogSettings
@@ -36,9 +37,7 @@ __all__ = [
     "Publish",
     "RankExit",
     "RankFailureInfo",
-    "RankMessage",
     "Rejected",
-    "Request",
     "RestartWorkers",
     "SetControl",
     "Submitted",
@@ -163,28 +162,6 @@ class Submitted:
 
 
 @dataclass(frozen=True)
-class Request:
-    """A user's request: ``stop``, ``preempt``, ``resume``, ``checkpoint``, ``inject``
-    (``arg``: a ``Fault``) or ``stragglers`` (``arg``: detector setting changes)."""
-
-    now: float
-    wall: float
-    job_id: str
-    what: str
-    arg: Any = None
-
-
-@dataclass(frozen=True)
-class RankMessage:
-    """An event a rank sent (see ``nbtrain.core.jobevents.RANK_KINDS``)."""
-
-    now: float
-    wall: float
-    job_id: str
-    msg: Mapping[str, Any]
-
-
-@dataclass(frozen=True)
 class RankExit:
     """A rank task of ``generation`` ended: ``outcome`` (its summary) or ``failure``."""
 
@@ -246,7 +223,9 @@ class ControllerFailed:
     error: str
 
 
-Event = (Submitted | Request | RankMessage | RankExit | WorkerJoined | WorkerLeft
+#: Users' requests and ranks' messages are typed per kind in
+#: :mod:`nbtrain.core.machine_events` (``UserRequest``, ``RankEvent`` and their kinds).
+Event = (Submitted | UserRequest | RankEvent | RankExit | WorkerJoined | WorkerLeft
          | HangDiagnosed | Tick | ControllerFailed)
 
 

@@ -44,8 +44,9 @@ class Outbox:
         event.setdefault("time", self.wall)
         self.commands.append(Publish(job.id, event))
 
-    def publish_cluster(self, event: dict[str, Any]) -> None:
-        """Append ``event`` to the cluster's log."""
+    def publish_cluster(self, event: Mapping[str, Any]) -> None:
+        """Append ``event`` (one of ``nbtrain.core.clusterevents``) to the cluster's log."""
+        event = dict(event)
         event.setdefault("time", self.wall)
         self.commands.append(Publish(None, event))
 

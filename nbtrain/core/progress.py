@@ -12,13 +12,24 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from nbtrain.core import knobflow
 from nbtrain.core.job import JobState
 from nbtrain.core.jobevents import nonfinite_event, recovery_event, resize_event
 from nbtrain.core.jobrecord import Generation, LiveJob, Preemption
+from nbtrain.core.machine_events import (
+    RankCheckpoint,
+    RankDevice,
+    RankEvent,
+    RankFaultInjected,
+    RankKnobApplied,
+    RankKnobs,
+    RankPhase,
+    RankStarted,
+    RankSteps,
+)
 from nbtrain.core.mitigation import ActionKind, SlotInfo
 from nbtrain.core.outbox import Outbox
 from nbtrain.core.records import ROW_COLUMNS
@@ -28,8 +39,6 @@ __all__ = ["METRICS_AT", "After", "message", "mitigate"]
 
 #: Position of the metrics dict in a rank's step row.
 METRICS_AT = len(ROW_COLUMNS)
-#: Rank messages too frequent for the job's log: only the current generation's count.
-QUIET = ("steps", "phase", "device")
 
 
 class After(enum.Enum):
@@ -40,46 +49,35 @@ class After(enum.Enum):
     MITIGATE = "mitigate"  # rank 0's rows of a RUNNING job: the straggler policy decides
 
 
-def message(job: LiveJob, msg: Mapping[str, Any], now: float, out: Outbox) -> After:
-    """A message from one of the job's ranks (see ``nbtrain.core.jobevents.RANK_KINDS``);
-    one of an ended generation only counts where it says what was committed."""
-    kind = msg.get("kind")
-    gen = job.gen if job.gen is not None and msg.get("gen") == job.gen.number else None
-    if kind in QUIET:
-        return After.NOTHING if gen is None else _progress(job, gen, str(kind), msg, now, out)
-    out.publish(job, msg)
-    if (kind == "knob_applied" or (kind == "knobs" and gen is not None)) \
-            and msg.get("rank") == 0:
-        knobflow.rank_message(job, msg, out)
-    elif kind == "checkpoint":
-        committed = _checkpointed(job, msg) and job.gen is not None
-        return After.COMMITTED if committed else After.NOTHING
-    if kind == "rank_started" and gen is not None:
-        _rank_started(job, gen, msg, now, out)
-    elif kind == "fault_injected" and gen is not None:
-        job.fired.add(str(msg["fault"]["id"]))
-        gen.injected = dict(msg)
-    return After.NOTHING
+def message(job: LiveJob, ev: RankEvent, now: float, out: Outbox) -> After:
+    """A message from one of the job's ranks; one of an ended generation only counts where
+    it says what was committed or which knob changes were applied. Step rows, startup phases
+    and GPU readings are too frequent for the job's log; every other kind is logged."""
+    gen = job.gen if job.gen is not None and ev.generation == job.gen.number else None
+    if isinstance(ev, RankSteps | RankPhase | RankDevice):
+        return After.NOTHING if gen is None else _progress(job, gen, ev, now, out)
+    out.publish(job, ev.logged())
+    handler = _REPORTS.get(type(ev))
+    return After.NOTHING if handler is None else handler(job, gen, ev, now, out)
 
 
-def _progress(job: LiveJob, gen: Generation, kind: str, msg: Mapping[str, Any], now: float,
-              out: Outbox) -> After:
+def _progress(job: LiveJob, gen: Generation, ev: RankSteps | RankPhase | RankDevice,
+              now: float, out: Outbox) -> After:
     """Step rows; a rank's startup phase (for the startup watchdog); a rank's GPU readings
     (for straggler verdicts)."""
-    rank = int(msg["rank"])
-    if kind == "steps":
-        _steps(job, gen, rank, msg["rows"], now, out)
-        if rank == 0 and job.state is JobState.RUNNING:
+    if isinstance(ev, RankSteps):
+        _steps(job, gen, ev.rank, ev.rows, now, out)
+        if ev.rank == 0 and job.state is JobState.RUNNING:
             return After.MITIGATE
-    elif kind == "phase":
-        gen.watch.entered(rank, str(msg["phase"]), now)
+    elif isinstance(ev, RankPhase):
+        gen.watch.entered(ev.rank, ev.phase, now)
     else:
-        job.stragglers.device(rank, dict(msg.get("readings") or {}))
+        job.stragglers.device(ev.rank, dict(ev.readings))
     return After.NOTHING
 
 
-def _steps(job: LiveJob, gen: Generation, rank: int, rows: list[Any], now: float,
-          out: Outbox) -> None:
+def _steps(job: LiveJob, gen: Generation, rank: int, rows: Sequence[Sequence[Any]],
+           now: float, out: Outbox) -> None:
     """Step rows of ``rank`` of the current generation ``gen``."""
     gen.watch.progressed(now)
     _check_finite(job, gen, rank, rows, out)
@@ -99,7 +97,7 @@ def _steps(job: LiveJob, gen: Generation, rank: int, rows: list[Any], now: float
         _first_step(job, gen, rows, now, out)
 
 
-def _first_step(job: LiveJob, gen: Generation, rows: list[Any], now: float,
+def _first_step(job: LiveJob, gen: Generation, rows: Sequence[Sequence[Any]], now: float,
                 out: Outbox) -> None:
     """The generation's first step rows: it trains (a recovery or a resize is done)."""
     gen.running = True
@@ -116,7 +114,7 @@ def _first_step(job: LiveJob, gen: Generation, rows: list[Any], now: float,
         out.set_state(job, JobState.RUNNING, f"training (generation {gen.number})")
 
 
-def _finish_recovery(job: LiveJob, gen: Generation, rows: list[Any], now: float,
+def _finish_recovery(job: LiveJob, gen: Generation, rows: Sequence[Sequence[Any]], now: float,
                      out: Outbox) -> None:
     fault = job.fault_log[-1] if job.fault_log else {}
     start = fault.get("_detected_mono")
@@ -130,7 +128,7 @@ def _finish_recovery(job: LiveJob, gen: Generation, rows: list[Any], now: float,
         lost_steps=fault.get("lost_steps"), fault=fault.get("what")))
 
 
-def _check_finite(job: LiveJob, gen: Generation, rank: int, rows: list[Any],
+def _check_finite(job: LiveJob, gen: Generation, rank: int, rows: Sequence[Sequence[Any]],
                   out: Outbox) -> None:
     """A NaN or infinite metric is news at once; with ``on_nonfinite="halt"`` the job
     stops without checkpointing the bad state."""
@@ -174,31 +172,60 @@ def mitigate(job: LiveJob, now: float, placement: dict[int, SlotInfo],
                                                   "checkpoint at the next step boundary")
 
 
-def _checkpointed(job: LiveJob, msg: Mapping[str, Any]) -> bool:
-    """A ``checkpoint`` message (any generation's); True when it committed a newer step
-    than the job had (the scheduler is told, for its preemption costs)."""
-    phase = msg.get("phase")
-    if phase == "committed":
-        step = int(msg["step"])
-        job.ledger.committed(step)
-        if step > job.committed_step:
-            job.committed_step = step
-            return True
-    elif phase == "snapshot" and msg.get("rank") == 0:
-        job.ledger.checkpoint_blocked(
-            (float(msg.get("blocking_ms", 0)) + float(msg.get("wait_ms", 0))) / 1e3)
-    return False
+def _checkpoint(job: LiveJob, gen: Generation | None, ev: RankCheckpoint, now: float,
+                out: Outbox) -> After:
+    """A checkpoint's phase (any generation's): a newer committed step than the job had is
+    news for the scheduler (its preemption costs); rank 0's snapshot blocked the loop."""
+    if ev.phase == "committed" and ev.step is not None:
+        job.ledger.committed(ev.step)
+        if ev.step > job.committed_step:
+            job.committed_step = ev.step
+            return After.COMMITTED if job.gen is not None else After.NOTHING
+    elif ev.phase == "snapshot" and ev.rank == 0:
+        job.ledger.checkpoint_blocked((ev.blocking_ms + ev.wait_ms) / 1e3)
+    return After.NOTHING
 
 
-def _rank_started(job: LiveJob, gen: Generation, msg: Mapping[str, Any], now: float,
-                 out: Outbox) -> None:
+def _rank_started(job: LiveJob, gen: Generation | None, ev: RankStarted, now: float,
+                  out: Outbox) -> After:
     """A rank of ``gen`` restored and starts its first step; rank 0 says where from."""
-    gen.watch.entered(int(msg["rank"]), "first step", now)
-    if msg.get("rank") == 0:
-        start = int(msg["start_step"])
-        for event in job.stragglers.restart(gen.size, start):
+    if gen is None:
+        return After.NOTHING
+    gen.watch.entered(ev.rank, "first step", now)
+    if ev.rank == 0:
+        for event in job.stragglers.restart(gen.size, ev.start_step):
             out.publish(job, event)
-        _resumed_at(job, start)
+        _resumed_at(job, ev.start_step)
+    return After.NOTHING
+
+
+def _fault_injected(job: LiveJob, gen: Generation | None, ev: RankFaultInjected, now: float,
+                    out: Outbox) -> After:
+    if gen is not None:
+        job.fired.add(ev.fault_id)
+        gen.injected = ev.logged()
+    return After.NOTHING
+
+
+def _knobs(job: LiveJob, gen: Generation | None, ev: RankKnobs, now: float,
+           out: Outbox) -> After:
+    if gen is not None and ev.rank == 0:
+        knobflow.declared(job, ev)
+    return After.NOTHING
+
+
+def _knob_applied(job: LiveJob, gen: Generation | None, ev: RankKnobApplied, now: float,
+                  out: Outbox) -> After:
+    if ev.rank == 0:
+        knobflow.applied(job, ev, out)
+    return After.NOTHING
+
+
+#: What the machine does with the logged kinds of rank messages (the others only log).
+_REPORTS: dict[type[RankEvent], Callable[[LiveJob, Generation | None, Any, float, Outbox],
+                                         After]] = {
+    RankCheckpoint: _checkpoint, RankStarted: _rank_started, RankFaultInjected: _fault_injected,
+    RankKnobs: _knobs, RankKnobApplied: _knob_applied}
 
 
 def _resumed_at(job: LiveJob, start: int) -> None:

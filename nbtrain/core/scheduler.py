@@ -398,7 +398,7 @@ class Scheduler(JobBook):
         self.work.running += len(cost)
         plan = None
         if cost:
-            self.work.slots += self.topo.n_slots
+            self.work.slot_entries += self.topo.n_slots
             plan = choose_victims(soon, req.min_slots, req.layout, cost)
         idx = None
         if plan is not None:

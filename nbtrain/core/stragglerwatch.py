@@ -18,7 +18,7 @@ again.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from nbtrain.core.gpu_health import device_errors, throttling
@@ -66,7 +66,7 @@ class StragglerWatch:
         self._through = -1
         return events + self._in_force(start_step)
 
-    def observe(self, rank: int, rows: Iterable[list[Any]]) -> list[dict[str, Any]]:
+    def observe(self, rank: int, rows: Iterable[Sequence[Any]]) -> list[dict[str, Any]]:
         records = [StepRecord.from_row(rank, row) for row in rows]
         changes: list[Diagnosis] = []
         events: list[dict[str, Any]] = []

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from nbtrain.engine.assets import token_matches
 
 if TYPE_CHECKING:
-    from nbtrain.engine.controller import ClusterController
+    from nbtrain.engine.port import ControllerPort
 
 __all__ = ["PUBLIC_FIELDS", "Role", "may_read_metrics", "public_event", "refusal", "role_of",
            "shown_status"]
@@ -40,7 +40,7 @@ class Role(enum.Enum):
     OTHER = "other"
 
 
-def role_of(ctl: ClusterController, job_id: str, *tokens: object) -> Role:
+def role_of(ctl: ControllerPort, job_id: str, *tokens: object) -> Role:
     """What the caller showing ``tokens`` (its job token, its operator token) is to
     ``job_id`` (a job the controller holds): the best role any of them gives."""
     if any(token_matches(t, ctl.assets[job_id].token_hash) for t in tokens):
@@ -50,11 +50,11 @@ def role_of(ctl: ClusterController, job_id: str, *tokens: object) -> Role:
     return Role.OTHER
 
 
-def may_read_metrics(ctl: ClusterController, role: Role) -> bool:
+def may_read_metrics(ctl: ControllerPort, role: Role) -> bool:
     return role is not Role.OTHER or ctl.settings.visibility == "all"
 
 
-def shown_status(ctl: ClusterController, status: Mapping[str, Any], role: Role
+def shown_status(ctl: ControllerPort, status: Mapping[str, Any], role: Role
                  ) -> dict[str, Any]:
     """``status`` as the caller may see it (``hidden``: why fields are missing)."""
     if may_read_metrics(ctl, role):

@@ -41,7 +41,7 @@ from nbtrain.engine.job import JobHandle
 from nbtrain.engine.remote import Follower, Remote
 from nbtrain.engine.tokens import TokenStore
 from nbtrain.engine.topoview import TopologyView
-from nbtrain.engine.trackers import TrackerSpec, parse_trackers
+from nbtrain.engine.trackers import Tracker, TrackerSpec, split_trackers
 from nbtrain.engine.wire import plain, submission_to_wire
 from nbtrain.engine.workers import NbtrainWorker
 from nbtrain.runtime.function import TrainFunction
@@ -249,12 +249,12 @@ class Cluster:
                queue: bool = True, seed: int = 0, priority: int = 0,
                team: str = "default", checkpoint: int | str | None = "auto",
                resume: str | None = None, max_restarts: int = 3,
-               restart_window_s: float = 3600.0,
+               restart_window_s: float = 3600.0, fail_fast: bool = True,
                faults: list[Fault] | None = None,
                stragglers: str | MitigationSettings = "alert",
                device: str = "auto",
                on_nonfinite: str = "alert",
-               trackers: Sequence[str | TrackerSpec] | None = None,
+               trackers: Sequence[str | TrackerSpec | Tracker] | None = None,
                mesh: Mapping[str, int] | None = None, replay: Any = None) -> JobHandle:
         """Start a training job on ``world_size`` slots at once (gang), or queue it.
 
@@ -281,6 +281,9 @@ class Cluster:
         - ``resume``: ``"latest"`` (newest committed checkpoint of a job with this ``name``),
           or a checkpoint directory / ``step-XXXXXXXX`` URL.
         - ``max_restarts`` within ``restart_window_s``: automatic recoveries before FAILED.
+        - ``fail_fast`` (default True): an exception with the same message on the same rank
+          at the same step as the fault before it (a bug, not a flaky node) fails the job at
+          once, after one retry; False retries it like any fault.
         - ``faults``: planned faults (``nbtrain.Fault``) for teaching and tests.
         - ``stragglers``: mitigation policy, ``"alert"`` (report only) or ``"replace"``
           (restart the gang without a confirmed straggler's slot, with a cooldown), or a
@@ -292,7 +295,9 @@ class Cluster:
           the newest committed checkpoint stays the last good state; FAILED).
         - ``trackers``: ``"tensorboard:LOGDIR"``, ``"mlflow:TRACKING_URI"`` (e.g.
           ``mlflow:file:///home/me/mlruns``): the controller writes every step's metrics
-          and phase times, checkpoints and faults there (it must reach the target).
+          and phase times, checkpoints and faults there (it must reach the target);
+          ``"wandb:PROJECT"`` and your own ``nbtrain.Tracker`` objects run in this notebook
+          instead (your credentials stay here; see ``nbtrain.engine.trackers``).
         - ``mesh``: the device mesh, ``{"dp": 2, "tp": 2}`` (``dp`` follows from the world
           size): each TP group is placed inside one NVLink domain (declared with worker
           labels on CPU clusters), DP outermost; each rank gets ``ctx.mesh`` (a
@@ -329,6 +334,7 @@ class Cluster:
                        max_size=max_size, queue=queue, seed=seed,
                        priority=priority, team=team, checkpoint=checkpoint, resume=resume,
                        max_restarts=max_restarts, restart_window_s=restart_window_s,
+                       fail_fast=fail_fast,
                        on_nonfinite=on_nonfinite, device=device,
                        mesh=dict(mesh) if mesh is not None else None,
                        extra={"kind": "recipe" if is_recipe else "function"})
@@ -356,7 +362,8 @@ class Cluster:
                              peer_release_s=s.peer_release_s,
                              failure_grace_s=s.failure_grace_s),
             resume_step=resume_step, knob_history=_replayed(replay))
-        tracked = [plain(t) for t in parse_trackers(trackers)]
+        on_controller, here = split_trackers(trackers)
+        tracked = [plain(t) for t in on_controller]
         reply = self._remote.call(
             "nbtrain_submit", job=submission_to_wire(sub), recipe=payload,
             settings=s.for_jobs(), checkpoint_url=url,
@@ -367,6 +374,8 @@ class Cluster:
         handle = JobHandle(spec, self, token=token, checkpoint_url=url, status=reply["status"],
                            follow=True)
         self._handles[job_id] = handle
+        if here:
+            handle.track(*here)
         return handle
 
     # -- lifecycle ------------------------------------------------------------------------

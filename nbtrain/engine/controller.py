@@ -40,7 +40,17 @@ from distributed import Client, Future, SchedulerPlugin
 
 from nbtrain.config import Settings
 from nbtrain.core.checkpoint_policy import parse_checkpoint_setting, preemption_commit_s
+from nbtrain.core.clusterevents import (
+    abort_event,
+    controller_error_event,
+    refused_event,
+    restart_event,
+    restored_event,
+    shutdown_event,
+    worker_refused_event,
+)
 from nbtrain.core.health import hung_ranks, rank_stacks
+from nbtrain.core.jobevents import generation_of, tracker_event
 from nbtrain.core.lifecycle import JobMachine
 from nbtrain.core.lifecycle_types import (
     AbortCollectives,
@@ -59,7 +69,6 @@ from nbtrain.core.lifecycle_types import (
     Publish,
     RankExit,
     RankFailureInfo,
-    RankMessage,
     Rejected,
     RestartWorkers,
     SetControl,
@@ -68,9 +77,11 @@ from nbtrain.core.lifecycle_types import (
     WorkerJoined,
     WorkerLeft,
 )
+from nbtrain.core.machine_events import RankCheckpoint, RankSteps, UnknownKind, rank_from_wire
 from nbtrain.core.rankseal import RankSeals
 from nbtrain.core.sched_types import SchedulerConfig
 from nbtrain.engine.assets import PLUGIN_NAME, JobAssets, token_hash
+from nbtrain.engine.figures import decision_figures
 from nbtrain.engine.inbox import Inbox
 from nbtrain.engine.joblog import JobLog, Tail
 from nbtrain.engine.store import TERMINAL, ControllerStore, StoredJob
@@ -134,6 +145,7 @@ class ClusterController(SchedulerPlugin):
         #: Rank events refused (a wrong seal: not from the generation's ranks), per job.
         self.refused_events: dict[str, int] = {}
         self._refusal_logged: dict[str, float] = {}
+        self._ignored_kinds: dict[str, set[str]] = {}  # job -> rank message kinds it sent
         self.cluster_log = Tail(2_000)
         self.ended: deque[str] = deque()
         self._news = asyncio.Event()  # set (and replaced) whenever a follower has news
@@ -158,6 +170,7 @@ class ClusterController(SchedulerPlugin):
         self._client: Client | None = None
         self._client_ready = asyncio.Event()
         self.view_tickets: dict[str, ViewTicket] = {}
+        self.pages = "none"  # until they are served (below)
         self.store = ControllerStore(s.state_dir or default_state_dir(scheduler.address))
         self.epoch = self.store.epoch
         self._last_journal = -1e18
@@ -206,8 +219,7 @@ class ClusterController(SchedulerPlugin):
             status = self.job_status(job_id)
             if status is not None and status["state"] not in ("SUCCEEDED", "FAILED",
                                                               "CANCELLED"):
-                self.cluster_log.extend([{"kind": "shutdown", "job": job_id,
-                                          "time": time.time()}])
+                self.cluster_log.extend([shutdown_event(job_id)])
         for task in list(self._tasks):
             task.cancel()
         if self._client is not None:
@@ -233,10 +245,9 @@ class ClusterController(SchedulerPlugin):
             except Exception:  # one unreadable record must not keep the others out
                 logger.exception("nbtrain controller: restoring job %s failed", sj.job_id)
         if stored:
-            self.cluster_log.extend([{
-                "kind": "restored", "jobs": len(stored), "live": live, "epoch": self.epoch,
-                "state_dir": str(self.store.dir), "seconds": time.perf_counter() - t0,
-                "time": time.time()}])
+            self.cluster_log.extend([restored_event(
+                jobs=len(stored), live=live, epoch=self.epoch, state_dir=str(self.store.dir),
+                seconds=time.perf_counter() - t0)])
             logger.info("nbtrain controller: restored %d jobs (%d live) from %s in %.2f s",
                         len(stored), live, self.store.dir, time.perf_counter() - t0)
 
@@ -283,11 +294,17 @@ class ClusterController(SchedulerPlugin):
         from nbtrain.engine.trackers import TrackerSink, TrackerSpec
 
         jid = assets.spec.job_id
+        specs = [TrackerSpec(**dict(t)) for t in trackers]
+        for spec in specs:
+            if spec.where != "controller":
+                raise ValueError(f"the {spec.kind} tracker at {spec.target} runs in the "
+                                 "client (where='client'); the controller runs only "
+                                 "TrackerSpec(..., where='controller')")
         assets.trackers = TrackerSink(
-            [TrackerSpec(**dict(t)) for t in trackers], run=f"{assets.spec.name}-{jid}",
+            specs, run=f"{assets.spec.name}-{jid}",
             params=assets.spec.describe(),
             on_error=lambda message: self.publish_from_thread(
-                jid, {"kind": "tracker", "error": message}))
+                jid, dict(tracker_event(message))))
 
     def journal_status(self, job_id: str, *, live_only: bool = False) -> None:
         """Journal a job's status and what a restarted controller needs to continue it
@@ -359,9 +376,8 @@ class ClusterController(SchedulerPlugin):
         job_id = _job_of(event)
         logger.error("nbtrain controller: handling %s failed (job %s):\n%s",
                      type(event).__name__, job_id, tb)
-        self.cluster_log.extend([{"kind": "controller_error", "job": job_id,
-                                  "event": type(event).__name__,
-                                  "error": tb.strip().splitlines()[-1], "time": time.time()}])
+        self.cluster_log.extend([controller_error_event(
+            job=job_id, event=type(event).__name__, error=tb.strip().splitlines()[-1])])
         if job_id is None:
             return []
         now, wall = self.now()
@@ -390,7 +406,7 @@ class ClusterController(SchedulerPlugin):
         elif isinstance(c, Launch):
             # Before the launch task runs, so a request that follows at once is not lost.
             self.assets[c.job_id].control = {
-                "gen": c.generation, "version": 0, "flags": dict(c.control),
+                "generation": c.generation, "version": 0, "flags": dict(c.control),
                 "knobs": list(c.knobs.get("pending", ()))}
             self.seals.open(c.job_id, c.generation, secrets.token_hex(16))
             self._spawn(self._launch(c))
@@ -398,8 +414,8 @@ class ClusterController(SchedulerPlugin):
             held = self.assets.get(c.job_id)
             if held is not None:
                 version = int(held.control.get("version", 0)) + 1
-                held.control = {"gen": c.generation, "version": version, "flags": dict(c.flags),
-                                "knobs": [dict(k) for k in c.knobs]}
+                held.control = {"generation": c.generation, "version": version,
+                                "flags": dict(c.flags), "knobs": [dict(k) for k in c.knobs]}
                 self._wake_control()
         elif isinstance(c, EndGeneration):
             self._end_generation(c.job_id, c.generation)
@@ -511,10 +527,10 @@ class ClusterController(SchedulerPlugin):
         if ws is None:
             return
         if not isinstance(labels, Mapping):
-            self.cluster_log.extend([{
-                "kind": "worker", "what": "refused", "address": address, "time": time.time(),
-                "reason": f"cannot run nbtrain ranks: {type(labels).__name__}: {labels}; "
-                          "install nbtrain (and torch) in the workers' environment"}])
+            self.cluster_log.extend([worker_refused_event(
+                address=address, time=time.time(),
+                reason=f"cannot run nbtrain ranks: {type(labels).__name__}: {labels}; "
+                       "install nbtrain (and torch) in the workers' environment")])
             self.wake()
             return
         now, wall = self.now()
@@ -532,10 +548,8 @@ class ClusterController(SchedulerPlugin):
                 stimulus_id=f"nbtrain-restart-{time.time()}")
         except Exception as exc:
             results = {a: f"{type(exc).__name__}: {exc}" for a in addresses}
-        self.cluster_log.extend([{"kind": "restart", "addresses": list(addresses),
-                                  "reason": reason, "results": {str(k): str(v) for k, v in
-                                                                dict(results or {}).items()},
-                                  "time": time.time()}])
+        self.cluster_log.extend([restart_event(addresses=addresses, reason=reason,
+                                               results=results)])
         self.wake()
 
     async def _abort_collectives(self, c: AbortCollectives) -> None:
@@ -547,11 +561,9 @@ class ClusterController(SchedulerPlugin):
                                             workers=list(c.addresses), on_error="return")
         except Exception as exc:
             results = {a: f"{type(exc).__name__}: {exc}" for a in c.addresses}
-        self.cluster_log.extend([{"kind": "abort", "job": c.job_id, "generation": c.generation,
-                                  "addresses": list(c.addresses), "reason": c.reason,
-                                  "results": {str(k): str(v) for k, v in
-                                              dict(results or {}).items()},
-                                  "time": time.time()}])
+        self.cluster_log.extend([abort_event(job=c.job_id, generation=c.generation,
+                                             addresses=c.addresses, reason=c.reason,
+                                             results=results)])
         self.wake()
 
     # ================================================================== rank tasks
@@ -641,8 +653,9 @@ class ClusterController(SchedulerPlugin):
             with contextlib.suppress(Exception):
                 fut.release()
         assets.rendezvous.pop(generation, None)
-        if assets.control.get("gen") == generation:
-            assets.control = {"gen": generation, "version": -1, "flags": {}, "ended": True}
+        if assets.control.get("generation") == generation:
+            assets.control = {"generation": generation, "version": -1, "flags": {},
+                              "ended": True}
         self._wake_control()
         self.wake_rendezvous()
 
@@ -682,7 +695,7 @@ class ClusterController(SchedulerPlugin):
     def _sealed(self, msg: Mapping[str, Any]) -> bool:
         """Whether a rank event comes from its generation's ranks (``nbtrain.core.rankseal``);
         others are counted per job and noted in the cluster's log at most every 10 s."""
-        job_id, gen, rank = msg.get("job"), msg.get("gen"), msg.get("rank")
+        job_id, gen, rank = msg.get("job"), generation_of(msg), msg.get("rank")
         if (isinstance(job_id, str) and isinstance(gen, int) and isinstance(rank, int)
                 and self.seals.admits(job_id, gen, rank, msg.get("seq"), str(msg.get("kind")),
                                       msg.get("seal"))):
@@ -692,34 +705,50 @@ class ClusterController(SchedulerPlugin):
             now = time.monotonic()
             if now - self._refusal_logged.get(job_id, -1e18) >= 10.0:
                 self._refusal_logged[job_id] = now
-                self.cluster_log.extend([{
-                    "kind": "refused", "job": job_id, "time": time.time(),
-                    "count": self.refused_events[job_id],
-                    "reason": "rank events not sealed by that job's running generation "
-                              "(sent by another client, or by a rank of an older generation)"}])
+                self.cluster_log.extend([refused_event(
+                    job=job_id, count=self.refused_events[job_id],
+                    reason="rank events not sealed by that job's running generation "
+                           "(sent by another client, or by a rank of an older generation)")])
         return False
 
     def _rank_event(self, msg: Mapping[str, Any]) -> None:
+        """A sealed rank message: the rank's output to its log, anything else turned into the
+        machine's typed event once, here. A kind no event stands for (a rank runtime of
+        another version) is ignored, and said once per job and kind; fields the event cannot
+        read raise (the caller fails the job: its own rank sent them)."""
         job_id = str(msg.get("job"))
         assets = self.assets.get(job_id)
         if assets is None:
             return
-        kind = msg.get("kind")
-        if kind == "log":  # the rank's output: for the views, nothing for the machine to decide
+        if msg.get("kind") == "log":  # the rank's output: for the views, nothing to decide
             assets.log.add_output(msg)
             self.wake()
             return
-        if kind == "steps":
-            assets.log.add_rows(int(msg["gen"]), int(msg["rank"]), msg["rows"])
-            if assets.trackers is not None:
-                gen, rank = int(msg["gen"]), int(msg["rank"])
-                assets.trackers.rows([(gen, rank, *row) for row in msg["rows"]])
         now, wall = self.now()
-        committed = kind == "checkpoint" and msg.get("phase") == "committed"
+        try:
+            event = rank_from_wire(now, wall, job_id, msg)
+        except UnknownKind as exc:
+            self._ignored_kind(job_id, str(msg.get("kind")), str(exc))
+            return
+        if isinstance(event, RankSteps):
+            assets.log.add_rows(event.generation, event.rank, event.rows)
+            if assets.trackers is not None:
+                assets.trackers.rows([(event.generation, event.rank, *row)
+                                      for row in event.rows])
+        committed = isinstance(event, RankCheckpoint) and event.phase == "committed"
         # a restart resumes from a committed checkpoint: journal it as soon as it is fed
-        self.put(RankMessage(now, wall, job_id, msg),
-                 (lambda: self.journal_status(job_id)) if committed else None)
+        self.put(event, (lambda: self.journal_status(job_id)) if committed else None)
         self.wake()
+
+    def _ignored_kind(self, job_id: str, kind: str, reason: str) -> None:
+        """A rank message of an unknown kind: dropped, noted once per job and kind."""
+        noted = self._ignored_kinds.setdefault(job_id, set())
+        if kind in noted or len(noted) >= 16:
+            return
+        noted.add(kind)
+        logger.warning("nbtrain controller: job %s: %s (ignored)", job_id, reason)
+        self.cluster_log.extend([{"kind": "refused", "job": job_id, "time": time.time(),
+                                  "count": 1, "reason": f"{reason}: ignored"}])
 
     # ================================================================== bookkeeping
     def _job_ended(self, job_id: str) -> None:
@@ -735,6 +764,7 @@ class ClusterController(SchedulerPlugin):
             self.assets.pop(old, None)
             self.seals.forget(old)
             self.refused_events.pop(old, None)
+            self._ignored_kinds.pop(old, None)
             self._refusal_logged.pop(old, None)
 
     def job_ids(self) -> list[str]:
@@ -750,12 +780,52 @@ class ClusterController(SchedulerPlugin):
             return dict(assets.final) if assets is not None and assets.final else None
 
 
+    # ================================================================== for handlers, pages
+    # (what ``nbtrain.engine.port.ControllerPort`` promises besides the attributes above)
+    def generation_of(self, job_id: str) -> int | None:
+        """The job's current (or last) generation number; None when the machine does not
+        hold the job (unknown, or an ended job it forgot)."""
+        try:
+            return self.machine.status(job_id).generation
+        except KeyError:
+            return None
+
+    def live_jobs(self) -> int:
+        """Jobs queued, held or running (in memory and not ended)."""
+        return len(self.assets) - len(self.ended)
+
+    def queue(self) -> list[str]:
+        """Queued job ids in the order the scheduler serves them."""
+        return [] if self.machine.sched is None else self.machine.sched.queued()
+
+    def slots(self) -> list[dict[str, Any]]:
+        """Every slot the cluster has had, as the machine sees it."""
+        return list(self.machine.slots())
+
+    def team_usage(self) -> dict[str, float]:
+        return self.machine.team_usage()
+
+    def decision_ms(self) -> dict[str, Any]:
+        """The machine's decision times and the inbox's slices (``cluster.snapshot()``)."""
+        return decision_figures(self.decision_s, self.decision_cpu_s, self.feed_s,
+                                self.inbox.slice_s_seen)
+
+    def rank_secret(self, job_id: str, generation: int) -> str:
+        """The secret a generation's ranks were launched with ("" once it is closed)."""
+        return self.seals.secret(job_id, generation)
+
+    def control_state(self, job_id: str) -> Mapping[str, Any]:
+        """The control flags of the job's current generation as its rank 0 reads them:
+        ``gen``, ``version``, ``flags``, ``knobs`` (``ended`` once it ended); empty for an
+        unknown job."""
+        assets = self.assets.get(job_id)
+        return assets.control if assets is not None else {}
+
+
 def _label(event: Event) -> str:
-    """What an event was, for the decision figures (a rank message with its kind and rows)."""
-    if isinstance(event, RankMessage):
-        rows = event.msg.get("rows")
-        extra = f" {len(rows)} rows" if isinstance(rows, list | tuple) else ""
-        return f"RankMessage {event.msg.get('kind')}{extra}"
+    """What an event was, for the decision figures (step rows with their count)."""
+    if isinstance(event, RankSteps):
+        return f"RankSteps {len(event.rows)} rows"
     return type(event).__name__
 
 

@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 from nbtrain.config import CLIENT_ONLY, Settings
 from nbtrain.core.explain import resume_rejected
-from nbtrain.core.faults import Fault
 from nbtrain.core.job import JobState
-from nbtrain.core.lifecycle_types import Rejected, Request, Submitted
+from nbtrain.core.jobevents import state_event
+from nbtrain.core.lifecycle_types import Rejected, Submitted
+from nbtrain.core.machine_events import REQUEST_KINDS, request_from_wire
 from nbtrain.core.rankseal import secret_matches
 from nbtrain.engine.access import (
     Role,
@@ -41,13 +42,12 @@ from nbtrain.engine.joblog import JobLog
 from nbtrain.engine.wire import error_reply, submission_from_wire
 
 if TYPE_CHECKING:
-    from nbtrain.engine.controller import ClusterController
+    from nbtrain.engine.port import ControllerPort
 
 __all__ = ["install"]
 
 #: Requests a job's owner (or the operator) may make.
-REQUESTS = ("stop", "preempt", "resume", "checkpoint", "inject", "stragglers", "resize",
-            "set")
+REQUESTS = REQUEST_KINDS
 #: Largest argument of a request (as JSON): a knob change or detector settings.
 REQUEST_ARG_MAX_BYTES = 64 << 10
 #: After the first news, a follower waits this long so rows of all ranks come in one reply.
@@ -63,7 +63,7 @@ TRACKERS_MAX = 8
 NOTHING = 1 << 62
 
 
-def install(ctl: ClusterController, scheduler: Any) -> None:
+def install(ctl: ControllerPort, scheduler: Any) -> None:
     """Register the handlers on the scheduler (replacing any of an older controller)."""
     table: dict[str, Callable[..., Awaitable[dict[str, Any]]]] = {
         "nbtrain_submit": functools.partial(submit, ctl),
@@ -100,7 +100,7 @@ def _replying(fn: Callable[..., Awaitable[dict[str, Any]]]
 
 
 # ====================================================================== clients
-async def submit(ctl: ClusterController, *, job: Mapping[str, Any], recipe: bytes,
+async def submit(ctl: ControllerPort, *, job: Mapping[str, Any], recipe: bytes,
                  settings: Mapping[str, Any], checkpoint_url: str,
                  restore: list[Any] | None = None, token: str = "",
                  trackers: list[Mapping[str, Any]] | None = None) -> dict[str, Any]:
@@ -119,7 +119,7 @@ async def submit(ctl: ClusterController, *, job: Mapping[str, Any], recipe: byte
             f"{ceiling}")
     if spec.job_id in ctl.assets:
         raise ValueError(f"job id {spec.job_id!r} is already in use; submit under a new id")
-    live = len(ctl.assets) - len(ctl.ended)
+    live = ctl.live_jobs()
     if live >= ctl.settings.jobs_max:
         raise ValueError(f"job {spec.name}: this cluster already holds {live:,} jobs that are "
                          f"queued, held or running (its jobs_max is "
@@ -157,15 +157,14 @@ async def submit(ctl: ClusterController, *, job: Mapping[str, Any], recipe: byte
         held = ctl.assets.pop(spec.job_id, None)
         ctl.store.drop_job(spec.job_id)
         if held is not None and held.trackers is not None:
-            held.trackers.event({"kind": "state", "state": "CANCELLED"})
+            held.trackers.event(dict(state_event(wall, "CANCELLED", rejected[0].reason)))
         raise ValueError(rejected[0].reason)
     ctl.journal_status(spec.job_id)
     await ctl.journaled()  # recorded before acknowledged
-    return {"job_id": spec.job_id, "token": job_token, "status": ctl.machine.status(
-        spec.job_id).to_dict()}
+    return {"job_id": spec.job_id, "token": job_token, "status": ctl.job_status(spec.job_id)}
 
 
-async def request(ctl: ClusterController, *, job_id: str, what: str, arg: Any = None,
+async def request(ctl: ControllerPort, *, job_id: str, what: str, arg: Any = None,
                   token: str = "") -> dict[str, Any]:
     status = _known(ctl, job_id)
     if what in REQUESTS:
@@ -180,7 +179,7 @@ async def request(ctl: ClusterController, *, job_id: str, what: str, arg: Any = 
     return {"status": after}
 
 
-def check_owner(ctl: ClusterController, job_id: str, token: str, what: str,
+def check_owner(ctl: ControllerPort, job_id: str, token: str, what: str,
                 status: Mapping[str, Any] | None = None) -> None:
     """PermissionError unless ``token`` is the job's or the operator's."""
     status = status or _known(ctl, job_id)
@@ -192,7 +191,7 @@ def check_owner(ctl: ClusterController, job_id: str, token: str, what: str,
             f"{what} it")
 
 
-def apply_request(ctl: ClusterController, job_id: str, what: str, arg: Any = None
+def apply_request(ctl: ControllerPort, job_id: str, what: str, arg: Any = None
                   ) -> dict[str, Any]:
     """A user's request on a job whose ownership was checked (by token, or by a view's
     ticket): validated, fed to the job machine; the job's status after it. Raises
@@ -209,23 +208,19 @@ def apply_request(ctl: ClusterController, job_id: str, what: str, arg: Any = Non
                              "can no longer change; cluster.submit(..., replay=job) runs it "
                              "again with the changes it had")
         return status
-    # Parsed here; judged (the rank's bound, whether the job may resume) by the machine.
-    if what == "inject":
-        arg = Fault.from_dict(dict(arg))
-    if what == "resize":
-        arg = dict(arg)
-        if not isinstance(arg.get("size"), int) or isinstance(arg["size"], bool):
-            raise TypeError(f"resize(n): n must be an integer number of ranks, got "
-                            f"{arg.get('size')!r}")
+    # Read here, once, into the machine's typed event (a field it cannot read raises);
+    # judged (the rank's bound, whether the job may resume) by the machine.
     now, wall = ctl.now()
-    commands = ctl.feed(Request(now, wall, job_id, what, arg))
+    commands = ctl.feed(request_from_wire(now, wall, job_id, what, arg))
     rejected = [c for c in commands if isinstance(c, Rejected) and c.job_id == job_id]
     if rejected:
         raise ValueError(rejected[0].reason)
-    return ctl.machine.status(job_id).to_dict()
+    after = ctl.job_status(job_id)
+    assert after is not None  # the machine holds it: the request was fed to it
+    return after
 
 
-async def follow(ctl: ClusterController, *, cursors: Mapping[str, list[int]],
+async def follow(ctl: ControllerPort, *, cursors: Mapping[str, list[int]],
                  timeout: float = 2.0, max_rows: int = FOLLOW_ROWS_MAX, token: str = "",
                  tokens: Mapping[str, str] | None = None) -> dict[str, Any]:
     """New rows, events and output lines of the followed jobs (cursors: positions of the
@@ -335,12 +330,12 @@ def _checked_cursors(cursors: object) -> dict[str, list[int]]:
     return out
 
 
-def _role(ctl: ClusterController, job_id: str, *tokens: object) -> Role | None:
+def _role(ctl: ControllerPort, job_id: str, *tokens: object) -> Role | None:
     """The caller's role for a job in memory (None: not in memory now)."""
     return role_of(ctl, job_id, *tokens) if job_id in ctl.assets else None
 
 
-def _readable(ctl: ClusterController, role: Role | None, cursor: list[int]) -> list[int]:
+def _readable(ctl: ControllerPort, role: Role | None, cursor: list[int]) -> list[int]:
     """``cursor`` with the parts the caller may not read moved past any end."""
     rows, events, output = cursor
     if role is Role.OTHER:
@@ -350,7 +345,7 @@ def _readable(ctl: ClusterController, role: Role | None, cursor: list[int]) -> l
     return [rows, events, output]
 
 
-def _withhold(ctl: ClusterController, role: Role, status: Mapping[str, Any],
+def _withhold(ctl: ControllerPort, role: Role, status: Mapping[str, Any],
               update: dict[str, Any]) -> None:
     """Drop from a follow reply what the caller may not read, and say why."""
     if role is not Role.OTHER:
@@ -365,13 +360,13 @@ def _withhold(ctl: ClusterController, role: Role, status: Mapping[str, Any],
     update["refused"] = {part: str(refusal(status, what[part])) for part in hidden}
 
 
-def _from_newest(ctl: ClusterController, job_id: str, cursor: list[int]) -> list[int]:
+def _from_newest(ctl: ControllerPort, job_id: str, cursor: list[int]) -> list[int]:
     if cursor and int(cursor[0]) < 0 and job_id in ctl.assets:
         cursor[0] = max(0, ctl.assets[job_id].log.rows.end + int(cursor[0]))
     return cursor
 
 
-async def _older_from_store(ctl: ClusterController, job_id: str, log: JobLog,
+async def _older_from_store(ctl: ControllerPort, job_id: str, log: JobLog,
                             update: dict[str, Any], cursors: Mapping[str, int],
                             max_rows: int) -> None:
     """Positions a follower asks for that memory no longer holds come from the journal
@@ -388,12 +383,12 @@ async def _older_from_store(ctl: ClusterController, job_id: str, log: JobLog,
             update[table] = [tuple(x) for x in items] if table == "rows" else items
 
 
-async def jobs(ctl: ClusterController, *, token: str = "",
+async def jobs(ctl: ControllerPort, *, token: str = "",
                tokens: Mapping[str, str] | None = None) -> dict[str, Any]:
     return {"jobs": _listing(ctl, token, tokens)}
 
 
-def _listing(ctl: ClusterController, token: str = "",
+def _listing(ctl: ControllerPort, token: str = "",
              tokens: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """Every job in memory as the caller may see it (``tokens``: its token per job)."""
     tokens = tokens if isinstance(tokens, Mapping) else {}
@@ -405,7 +400,7 @@ def _listing(ctl: ClusterController, token: str = "",
     return out
 
 
-async def job(ctl: ClusterController, *, key: str, token: str = "", operator: str = ""
+async def job(ctl: ControllerPort, *, key: str, token: str = "", operator: str = ""
               ) -> dict[str, Any]:
     """One job by id, or the newest job of that name: what a client needs to attach
     (an old ended job is read back from the journal). Where its checkpoints are only for
@@ -440,7 +435,7 @@ async def job(ctl: ClusterController, *, key: str, token: str = "", operator: st
             "status": shown_status(ctl, status, role)}
 
 
-async def result(ctl: ClusterController, *, job_id: str, token: str = "", operator: str = ""
+async def result(ctl: ControllerPort, *, job_id: str, token: str = "", operator: str = ""
                  ) -> dict[str, Any]:
     """A training function's return value on rank 0 (pickled bytes, None if it returned
     nothing), or why there is none: for the job's owner and the operator only."""
@@ -453,32 +448,31 @@ async def result(ctl: ClusterController, *, job_id: str, token: str = "", operat
     return {"result": assets.result, "error": assets.result_error}
 
 
-async def cluster(ctl: ClusterController, *, log_from: int = 0, token: str = "",
+async def cluster(ctl: ControllerPort, *, log_from: int = 0, token: str = "",
                   tokens: Mapping[str, str] | None = None) -> dict[str, Any]:
     return cluster_snapshot(ctl, int(log_from), token, tokens)
 
 
-def cluster_snapshot(ctl: ClusterController, log_from: int = 0, token: str = "",
+def cluster_snapshot(ctl: ControllerPort, log_from: int = 0, token: str = "",
                      tokens: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Slots, queue, jobs (as the caller may see them), team usage and the cluster's log
     (what ``Cluster.snapshot()`` and the class view show)."""
-    queue = [] if ctl.machine.sched is None else ctl.machine.sched.queued()
     at, log = ctl.cluster_log.since(log_from, 1_000)
-    return {"slots": [_with_labels(ctl, s) for s in ctl.machine.slots()], "queue": queue,
+    return {"slots": [_with_labels(ctl, s) for s in ctl.slots()], "queue": ctl.queue(),
             "pending_workers": ctl.pending_workers,
             "jobs": _listing(ctl, token, tokens),
-            "team_usage": ctl.machine.team_usage(),
-            "log_at": at, "log": log, "decision_ms": _decision_ms(ctl)}
+            "team_usage": ctl.team_usage(),
+            "log_at": at, "log": log, "decision_ms": ctl.decision_ms()}
 
 
-async def view(ctl: ClusterController, *, job_id: str | None = None,
+async def view(ctl: ControllerPort, *, job_id: str | None = None,
                token: str = "") -> dict[str, Any]:
     """Where a live page is: the class view, or a job's page with a ticket for its controls
     when ``token`` is the job's or the operator's (else read-only). ``served``: "dashboard" or
     "attached" when the scheduler serves the pages, "none" when it cannot."""
     from nbtrain.engine.tickets import PAGE_CLUSTER, PAGE_JOB, issue_ticket, page_path
 
-    served = getattr(ctl, "pages", "none")
+    served = ctl.pages
     if job_id is None:
         return {"path": page_path(PAGE_CLUSTER), "served": served, "controls": False}
     _known(ctl, job_id)
@@ -491,7 +485,7 @@ async def view(ctl: ClusterController, *, job_id: str | None = None,
             "controls": bool(ticket)}
 
 
-def _with_labels(ctl: ClusterController, slot: Mapping[str, Any]) -> dict[str, Any]:
+def _with_labels(ctl: ControllerPort, slot: Mapping[str, Any]) -> dict[str, Any]:
     """A slot as the machine sees it, plus what its worker reported about its GPU."""
     out = dict(slot)
     labels = ctl.worker_labels.get(str(slot.get("address")), {})
@@ -500,36 +494,8 @@ def _with_labels(ctl: ClusterController, slot: Mapping[str, Any]) -> dict[str, A
     return out
 
 
-def _decision_ms(ctl: ClusterController) -> dict[str, Any]:
-    """The machine's decision times (wall clock), their CPU time on the loop's thread, and
-    the slowest kinds of event by CPU time."""
-    times = sorted(ctl.decision_s)
-    if not times:
-        return {}
-    cpu = sorted(ctl.decision_cpu_s)
-
-    def pick(values: list[Any], q: float) -> float:
-        v = values[min(len(values) - 1, int(q * len(values)))]
-        return 1e3 * float(v[0] if isinstance(v, tuple) else v)
-
-    slices = sorted(ctl.inbox.slice_s_seen)
-    out = {"p50": pick(times, 0.5), "p99": pick(times, 0.99), "max": 1e3 * times[-1],
-           "n": len(times), "cpu_p50": pick(cpu, 0.5), "cpu_p99": pick(cpu, 0.99),
-           "cpu_max": 1e3 * cpu[-1][0],
-           "slowest": [f"{kind} {1e3 * t:.2f} ms" for t, kind in cpu[-5:][::-1]],
-           "slices": len(slices)}
-    whole = sorted(ctl.feed_s)
-    if whole:  # each event's whole handling: decision, commands, journaling
-        out.update(feed_p99=pick(whole, 0.99), feed_max=1e3 * whole[-1][0],
-                   feed_slowest=[f"{kind} {1e3 * w:.2f} ms (CPU {1e3 * c:.2f})"
-                                 for w, c, kind in whole[-8:][::-1]])
-    if slices:  # the inbox's slices: how long queued events held the loop at once
-        out.update(slice_p99=pick(slices, 0.99), slice_max=1e3 * slices[-1])
-    return out
-
-
 # ====================================================================== ranks
-async def rendezvous(ctl: ClusterController, *, job_id: str, generation: int, rank: int,
+async def rendezvous(ctl: ControllerPort, *, job_id: str, generation: int, rank: int,
                      host: str | None = None, port: int | None = None,
                      timeout: float = 60.0, secret: str = "") -> dict[str, Any]:
     """Rank 0 publishes its store's address; the other ranks wait for it. Only the
@@ -537,7 +503,7 @@ async def rendezvous(ctl: ClusterController, *, job_id: str, generation: int, ra
     assets = ctl.assets.get(job_id)
     if assets is None:
         raise LookupError(f"no job {job_id!r}")
-    expected = ctl.seals.secret(job_id, generation)
+    expected = ctl.rank_secret(job_id, generation)
     if not expected:
         raise LookupError(f"generation {generation} of job {job_id} is not running")
     if not secret_matches(secret, expected):
@@ -563,11 +529,11 @@ async def rendezvous(ctl: ClusterController, *, job_id: str, generation: int, ra
     return dict(assets.rendezvous[generation])
 
 
-async def control(ctl: ClusterController, *, job_id: str, generation: int, version: int,
+async def control(ctl: ControllerPort, *, job_id: str, generation: int, version: int,
                   timeout: float = 1.0, secret: str = "") -> dict[str, Any]:
     """The generation's control flags once they differ from ``version`` (or after
     ``timeout``); ``ended`` when the generation is over. For its own ranks only."""
-    expected = ctl.seals.secret(job_id, generation)
+    expected = ctl.rank_secret(job_id, generation)
     if expected and not secret_matches(secret, expected):
         raise PermissionError(f"the control flags of job {job_id} generation {generation} are "
                               "for that generation's ranks only")
@@ -575,9 +541,8 @@ async def control(ctl: ClusterController, *, job_id: str, generation: int, versi
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
-        assets = ctl.assets.get(job_id)
-        state = assets.control if assets is not None else {}
-        if assets is None or state.get("ended") or state.get("gen") != generation:
+        state = ctl.control_state(job_id)
+        if not state or state.get("ended") or state.get("generation") != generation:
             return {"ended": True, "version": -1, "flags": {}}
         if int(state.get("version", 0)) != version:
             return {"ended": False, "version": state["version"], "flags": state["flags"],
@@ -591,7 +556,7 @@ async def control(ctl: ClusterController, *, job_id: str, generation: int, versi
 
 
 # ====================================================================== helpers
-def _known(ctl: ClusterController, job_id: str) -> dict[str, Any]:
+def _known(ctl: ControllerPort, job_id: str) -> dict[str, Any]:
     status = ctl.job_status(job_id) if job_id in ctl.assets else None
     if status is None:
         raise LookupError(f"no job {job_id!r} on this cluster's controller now (ended jobs "
@@ -600,14 +565,12 @@ def _known(ctl: ClusterController, job_id: str) -> dict[str, Any]:
     return status
 
 
-def _is_operator(ctl: ClusterController, token: str) -> bool:
+def _is_operator(ctl: ControllerPort, token: str) -> bool:
     from nbtrain.engine.assets import token_matches
 
     return token_matches(token, ctl.operator_hash)
 
 
-def _current_generation(ctl: ClusterController, job_id: str) -> int:
-    try:
-        return ctl.machine.status(job_id).generation
-    except KeyError:
-        return 1 << 30
+def _current_generation(ctl: ControllerPort, job_id: str) -> int:
+    generation = ctl.generation_of(job_id)
+    return 1 << 30 if generation is None else generation

@@ -23,7 +23,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from nbtrain.core.lifecycle_types import Event, RankMessage
+from nbtrain.core.lifecycle_types import Event
+from nbtrain.core.machine_events import RankSteps
 
 __all__ = ["ROWS_PER_EVENT", "SLICE_S", "Inbox", "split_rows"]
 
@@ -38,12 +39,10 @@ SLICE_S = 0.002
 def split_rows(event: Event, rows_per_event: int = ROWS_PER_EVENT) -> list[Event]:
     """A step-row message of more than ``rows_per_event`` rows as several messages, in
     order, each with the original's times; any other event as itself."""
-    if not isinstance(event, RankMessage) or event.msg.get("kind") != "steps":
+    if not isinstance(event, RankSteps) or len(event.rows) <= rows_per_event:
         return [event]
-    rows = event.msg.get("rows")
-    if not isinstance(rows, list | tuple) or len(rows) <= rows_per_event:
-        return [event]
-    return [dataclasses.replace(event, msg={**event.msg, "rows": list(rows[i:i + rows_per_event])})
+    rows = event.rows
+    return [dataclasses.replace(event, rows=list(rows[i:i + rows_per_event]))
             for i in range(0, len(rows), rows_per_event)]
 
 

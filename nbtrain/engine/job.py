@@ -21,6 +21,8 @@ import pandas as pd
 
 from nbtrain.core.faults import Fault
 from nbtrain.core.job import JobSpec, JobState
+from nbtrain.core.jobevents import generation_of
+from nbtrain.core.jobrecord import JobStatus
 from nbtrain.core.knobs import KnobState, check_change, knob_state
 from nbtrain.core.records import JOB_ROW_COLUMNS
 from nbtrain.core.straggler import StragglerSettings
@@ -71,7 +73,11 @@ class JobHandle:
         self._checkpoint_url = checkpoint_url
         self._lock = threading.RLock()
         self._done = threading.Event()
-        self._status: dict[str, Any] = dict(status or {})
+        #: What the controller said of the job, typed (``core.jobrecord.JobStatus``); the
+        #: spec stands in for what it has not said yet.
+        self._blank = JobStatus.before_news(spec, submitted=time.time())
+        self._status = JobStatus.from_dict(status or {}, self._blank)
+        self._hidden = str((status or {}).get("hidden") or "")
         # The newest rows, events and output lines by absolute position (older rows are
         # read back from the controller's journal when asked for).
         keep = cluster.settings.handle_rows_kept if cluster is not None else ROWS_KEPT
@@ -81,13 +87,14 @@ class JobHandle:
         self._frame: pd.DataFrame | None = None  # job.metrics as last built ...
         self._frame_end = 0  # ... up to this row position
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
+        self._trackers: list[Any] = []  # client-side TrackerSinks (track())
         self._following = False
         self._problem: str | None = None
         self._unreachable_since: float | None = None
         #: What the controller will not show this client of the job ("rows", "events",
         #: "output"), with why (``nbtrain.engine.access``).
         self._refused: dict[str, str] = {}
-        self.submitted_at = float(self._status.get("submitted") or time.time())
+        self.submitted_at = float(self._status.submitted or time.time())
         if follow:
             self._follow()
 
@@ -127,14 +134,16 @@ class JobHandle:
 
     @property
     def owner(self) -> str:
-        return str(self._get("owner", ""))
+        return self._now().owner
 
     @property
     def hidden(self) -> str:
         """Why this client sees only the scheduling facts of the job (its step, metrics,
         events and errors are its owner's: the cluster's ``visibility="owner"``); "" when it
         sees them."""
-        return str(self._get("hidden", ""))
+        self._follow()
+        with self._lock:
+            return self._hidden
 
     def _readable(self, part: str) -> None:
         """PermissionError naming the job, its owner and the fix, when the controller does
@@ -153,20 +162,25 @@ class JobHandle:
         return self._checkpoint_url
 
     # -- state (read from any thread) ---------------------------------------------------
-    def _get(self, key: str, default: Any = None) -> Any:
+    def _now(self) -> JobStatus:
         self._follow()
         with self._lock:
-            return self._status.get(key, default)
+            return self._status
+
+    def snapshot(self) -> JobStatus:
+        """The job's status as the controller last said it, typed (one consistent
+        snapshot: every field from the same update)."""
+        return self._now()
 
     @property
     def status(self) -> JobState:
-        return JobState(self._get("state", JobState.QUEUED.value))
+        return JobState(self._now().state)
 
     @property
     def reason(self) -> str:
         """Why the job is in its state: what it waits for, or how it ended (and, while the
         controller cannot be reached, since when)."""
-        reason = str(self._get("reason", "waiting for the scheduler"))
+        reason = self._now().reason
         lost = self.unreachable_since
         if lost is not None:
             return (f"controller unreachable since {_clock(lost)} (last known: "
@@ -184,23 +198,23 @@ class JobHandle:
 
     @property
     def generation(self) -> int:
-        return int(self._get("generation", -1))
+        return self._now().generation
 
     @property
     def slots(self) -> list[str]:
         """Dask worker addresses, index = rank (empty while not holding slots)."""
-        return list(self._get("slots", []))
+        return list(self._now().slots)
 
     @property
     def size(self) -> int:
         """Ranks it runs with now (0 while it holds no slots); an elastic job's size changes
         with resizes, ``spec.world_size`` is the size it was submitted with."""
-        return int(self._get("size", 0))
+        return self._now().size
 
     @property
     def target_size(self) -> int:
         """The size asked for: ``world_size``, or the last :meth:`resize`."""
-        return int(self._get("target_size", self.spec.world_size))
+        return self._now().target_size
 
     @property
     def size_bounds(self) -> tuple[int, int]:
@@ -210,30 +224,29 @@ class JobHandle:
     @property
     def resize_note(self) -> str:
         """Why the job runs below its target size ("" when it does not)."""
-        return str(self._get("resize_note", ""))
+        return self._now().resize_note
 
     @property
     def step(self) -> int:
         """Steps completed (as last reported by rank 0)."""
-        return int(self._get("step", 0))
+        return self._now().step
 
     @property
     def error(self) -> str | None:
         """The failure report (rank, step, remote traceback) when FAILED."""
-        value = self._get("error")
-        return None if value is None else str(value)
+        return self._now().error
 
     @property
     def restarts(self) -> int:
-        return int(self._get("restarts", 0))
+        return self._now().restarts
 
     @property
     def started_at(self) -> float | None:
-        return self._get("started")
+        return self._now().started
 
     @property
     def ended_at(self) -> float | None:
-        return self._get("ended")
+        return self._now().ended
 
     @property
     def done(self) -> bool:
@@ -321,6 +334,29 @@ class JobHandle:
             rows = self._fetch_rows(index, base) + rows
         return rows, end
 
+    def track(self, *trackers: Any) -> None:
+        """Feed trackers from this notebook: ``"wandb:PROJECT"``, any ``"KIND:TARGET"``
+        (run here instead of in the controller), a ``TrackerSpec`` or your own
+        ``nbtrain.Tracker`` object. They get the job's history kept so far, then every new
+        step, checkpoint and fault, while this kernel follows the job (``submit(...,
+        trackers=...)`` does this for client-side trackers)."""
+        from nbtrain.engine.trackers import TrackerSink, TrackerSpec, parse_trackers
+
+        items = [parse_trackers([t])[0] if isinstance(t, str) else t for t in trackers]
+        items = [TrackerSpec(t.kind, t.target, t.experiment, "client")
+                 if isinstance(t, TrackerSpec) else t for t in items]
+        sink = TrackerSink(items, run=f"{self.spec.name}-{self.id}",
+                           params=self.spec.describe(),
+                           on_error=lambda msg: _log.warning("%s: %s", self.name, msg))
+        with self._lock:  # the history so far, then the updates: nothing twice or missed
+            sink.rows(list(self._rows.items))
+            for event in self._events.items:
+                sink.event(event)
+            self._trackers.append(sink)
+            ended = JobState(self._status.state).terminal and self._done.is_set()
+        if ended:  # the end already passed through the history's events
+            self._trackers.remove(sink)
+
     def subscribe(self, listener: Callable[[dict[str, Any]], None]) -> None:
         """Call ``listener(event)`` for each future non-step event (on the cluster's follower
         thread: keep it short and thread-safe)."""
@@ -348,7 +384,7 @@ class JobHandle:
     def faults(self) -> list[dict[str, Any]]:
         """Faults seen so far: what, its cause, rank, host, step, detection latency, recovery
         time, steps lost."""
-        return [dict(f) for f in self._get("faults", [])]
+        return [dict(f) for f in self._now().faults]
 
     @property
     def alerts(self) -> list[dict[str, Any]]:
@@ -369,18 +405,19 @@ class JobHandle:
         for e in self.events:
             if e["kind"] != "memory":
                 continue
-            if int(e["gen"]) > gen:
-                newest, gen = {}, int(e["gen"])
-            if int(e["gen"]) == gen:
-                newest[int(e["rank"])] = {k: v for k, v in e.items()
-                                          if k not in ("kind", "job", "rank", "gen", "time")}
+            generation = int(generation_of(e))
+            if generation > gen:
+                newest, gen = {}, generation
+            if generation == gen:
+                newest[int(e["rank"])] = {k: v for k, v in e.items() if k not in (
+                    "kind", "job", "rank", "generation", "gen", "time")}
         return newest
 
     def goodput(self) -> dict[str, float]:
         """Wall time split into productive steps, queueing, startup, checkpoint blocking,
         recovery and lost (recomputed) work, in seconds, plus the productive fraction (as of
         the controller's last word, at most a couple of seconds old while the job runs)."""
-        return dict(self._get("goodput", {}))
+        return dict(self._now().goodput)
 
     # -- controls -----------------------------------------------------------------------
     def _request(self, what: str, arg: Any = None) -> None:
@@ -467,7 +504,7 @@ class JobHandle:
         if declared:  # known here once the ranks declared them: refused before sending
             check_change(declared, values, ramp=ramp, shape=shape, job=f"job {self.name}")
         self._request("set", {"values": values, "ramp": ramp, "shape": shape})
-        seq = int(self._get("knob_seq", 0))
+        seq = self._now().knob_seq
         if not wait:
             return None
         deadline = time.monotonic() + timeout
@@ -664,11 +701,11 @@ class JobHandle:
         if update.get("gone"):
             # Neither in its memory nor in its journal: say so, and invent no end state.
             with self._lock:
-                state = self._status.get("state", "QUEUED")
+                state = self._status.state
                 if not JobState(state).terminal:
-                    self._status["reason"] = (
+                    self._status = dataclasses.replace(self._status, reason=(
                         f"the controller does not know this job (was it started again on "
-                        f"another state directory?); last known: {state}")
+                        f"another state directory?); last known: {state}"))
             self._done.set()
             return
         new_events: list[dict[str, Any]] = []
@@ -677,9 +714,11 @@ class JobHandle:
             self._unreachable_since = None
             self._rewind(update)
             rows = update.get("rows") or []
+            new_rows: list[tuple[Any, ...]] = []
             if rows:
-                self._rows.put(int(update.get("rows_at", self._rows.end)),
-                               [tuple(r) for r in rows])
+                at = int(update.get("rows_at", self._rows.end))
+                new_rows = [tuple(r) for r in rows[max(0, self._rows.end - at):]]
+                self._rows.put(at, [tuple(r) for r in rows])
             events = update.get("events") or []
             if events:
                 at = int(update.get("events_at", self._events.end))
@@ -690,12 +729,18 @@ class JobHandle:
                 self._output.put(int(update.get("output_at", self._output.end)),
                                  [dict(o) for o in output])
             if "status" in update:
-                self._status = dict(update["status"])
+                self._status = JobStatus.from_dict(update["status"], self._blank)
+                self._hidden = str(update["status"].get("hidden") or "")
             self._refused = {str(k): str(v) for k, v in dict(update.get("refused") or {}).items()}
             drained = (self._rows.end >= int(update.get("rows_end", self._rows.end))
                        and self._events.end >= int(update.get("events_end", self._events.end)))
-            terminal = JobState(self._status.get("state", "QUEUED")).terminal
+            terminal = JobState(self._status.state).terminal
             listeners = list(self._listeners)
+            sinks = list(self._trackers)
+        for sink in sinks:  # enqueue only: their own thread writes
+            sink.rows(new_rows)
+            for event in new_events:
+                sink.event(event)
         for event in new_events:
             for listener in listeners:
                 with contextlib.suppress(Exception):  # a broken view must not stop following

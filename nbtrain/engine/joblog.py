@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from nbtrain.core.jobevents import generation_of
+
 #: Where a job log journals what it adds: (table, first position, items).
 Sink = Callable[[str, int, list[Any]], None]
 
@@ -89,11 +91,11 @@ class JobLog:
 
     def add_output(self, msg: Mapping[str, Any]) -> None:
         """A rank's batch of output lines (and how many it dropped)."""
-        rank, gen, t = int(msg["rank"]), int(msg["gen"]), float(msg.get("time", 0.0))
-        lines = [{"rank": rank, "gen": gen, "stream": s, "text": text, "time": t}
+        rank, gen, t = int(msg["rank"]), int(generation_of(msg)), float(msg.get("time", 0.0))
+        lines = [{"rank": rank, "generation": gen, "stream": s, "text": text, "time": t}
                  for s, text in msg.get("lines", ())]
         if msg.get("dropped"):
-            lines.append({"rank": rank, "gen": gen, "stream": "nbtrain", "time": t,
+            lines.append({"rank": rank, "generation": gen, "stream": "nbtrain", "time": t,
                           "text": f"... {msg['dropped']} lines dropped (more than "
                                   "Settings.log_lines_per_s)"})
         self._add("output", self.output, lines)

@@ -38,7 +38,7 @@ from urllib.parse import urlencode
 from nbtrain.engine.tickets import PAGE_CLUSTER, PAGE_JOB, ViewTicket, check_ticket
 
 if TYPE_CHECKING:
-    from nbtrain.engine.controller import ClusterController
+    from nbtrain.engine.port import ControllerPort
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def _every(doc: Any, refresh: Any, what: str) -> None:
     state["cb"] = doc.add_periodic_callback(tick, REFRESH_MS)
 
 
-def _controller(scheduler: Any) -> ClusterController | None:
+def _controller(scheduler: Any) -> ControllerPort | None:
     from nbtrain.engine.assets import PLUGIN_NAME
 
     plugin = scheduler.plugins.get(PLUGIN_NAME)
@@ -130,7 +130,7 @@ def _arg(doc: Any, name: str) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _job_list_html(ctl: ClusterController, asked: str) -> str:
+def _job_list_html(ctl: ControllerPort, asked: str) -> str:
     missing = (f"<p>No job <code>{html.escape(asked)}</code> here (ended jobs are forgotten "
                "after a while).</p>" if asked else "")
     items = "".join(
@@ -146,7 +146,7 @@ class ControllerFeed:
 
     MAX_ROWS = 20_000  # per refresh: a page opened late catches up over a few ticks
 
-    def __init__(self, ctl: ClusterController, job_id: str, ticket: str = "") -> None:
+    def __init__(self, ctl: ControllerPort, job_id: str, ticket: str = "") -> None:
         self.ctl = ctl
         self.job_id = job_id
         self.ticket = ticket

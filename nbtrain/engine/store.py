@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nbtrain.core.jobevents import renamed_fields
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["DB_NAME", "ControllerStore", "StoredJob", "open_readonly"]
@@ -392,4 +394,7 @@ def read_history(conn: sqlite3.Connection, table: str, job_id: str, start: int, 
                         "ORDER BY pos LIMIT ?", (job_id, max(0, start), limit)).fetchall()
     if not rows:
         return max(0, start), []
-    return int(rows[0][0]), [json.loads(r[1]) for r in rows]
+    if table == "rows":
+        return int(rows[0][0]), [json.loads(r[1]) for r in rows]
+    # events and output lines of an older version say "gen": read in today's names
+    return int(rows[0][0]), [renamed_fields(json.loads(r[1])) for r in rows]

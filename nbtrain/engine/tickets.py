@@ -15,7 +15,7 @@ from urllib.parse import urlencode
 from nbtrain.engine.assets import token_hash
 
 if TYPE_CHECKING:
-    from nbtrain.engine.controller import ClusterController
+    from nbtrain.engine.port import ControllerPort
 
 __all__ = ["PAGE_CLUSTER", "PAGE_JOB", "ViewTicket", "check_ticket", "issue_ticket",
            "page_path"]
@@ -32,7 +32,7 @@ class ViewTicket:
     expires: float
 
 
-def issue_ticket(ctl: ClusterController, job_id: str) -> str:
+def issue_ticket(ctl: ControllerPort, job_id: str) -> str:
     """A new ticket for ``job_id`` (the caller checked ownership)."""
     now = time.monotonic()
     for key in [k for k, t in ctl.view_tickets.items() if t.expires < now
@@ -44,7 +44,7 @@ def issue_ticket(ctl: ClusterController, job_id: str) -> str:
     return ticket
 
 
-def check_ticket(ctl: ClusterController, job_id: str, ticket: str) -> bool:
+def check_ticket(ctl: ControllerPort, job_id: str, ticket: str) -> bool:
     if not isinstance(ticket, str) or not ticket:
         return False
     held = ctl.view_tickets.get(token_hash(ticket))

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from nbtrain.core.mesh import MeshPlan
+from nbtrain.runtime.batch import to_device
 from nbtrain.runtime.knobs import RankKnobs
 from nbtrain.runtime.loader import PositionedLoader, ShardedLoader
 from nbtrain.runtime.lr_rules import LRScaling
@@ -78,6 +79,18 @@ class RankContext:
     def knob(self, name: str) -> float:
         """The value of a declared knob in force for this step (the same on every rank)."""
         return self.knobs[name]
+
+    @property
+    def total_steps(self) -> int | None:
+        """The job's ``steps`` (``submit(..., steps=N)``); None: the training function's
+        own loop decides when it ends."""
+        return self._driver.stepper.steps if self._driver is not None else None
+
+    @property
+    def outcome(self) -> str | None:
+        """Why the training loop ended ("completed", "stopped", "preempted", ...); None while
+        it runs."""
+        return self._driver.stepper.outcome if self._driver is not None else None
 
     @property
     def is_main(self) -> bool:
@@ -256,7 +269,7 @@ class RankContext:
                 raise TypeError("ctx.batches(dataset, global_batch_size=...): the global batch "
                                 "size is needed to shard a dataset over the ranks")
             it = iter(data)
-            return self._loop(lambda: _to_device(next(it), self.device))
+            return self._loop(lambda: to_device(next(it), self.device))
         if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
             self.loader(data, global_batch_size=global_batch_size,  # type: ignore[arg-type]
                         shuffle=shuffle, drop_last=drop_last, collate_fn=collate_fn,
@@ -323,16 +336,5 @@ class RankContext:
             )
         batch = self._loader.next_batch()
         self.timer.grad_weight = self._loader.last_share
-        return _to_device(batch, self.device)
+        return to_device(batch, self.device)
 
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if device.type == "cpu":
-        return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    return batch

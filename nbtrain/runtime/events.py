@@ -23,7 +23,7 @@ from nbtrain.core.records import ROW_COLUMNS
 STEP_COLUMNS = ROW_COLUMNS
 #: The Dask event topic of every rank's events.
 RANK_TOPIC = "nbtrain-ranks"
-_OWN_FIELDS = frozenset({"kind", "job", "rank", "gen", "time", "seq", "seal"})
+_OWN_FIELDS = frozenset({"kind", "job", "rank", "generation", "time", "seq", "seal"})
 
 
 class EventEmitter:
@@ -80,6 +80,6 @@ class EventEmitter:
         extra = {k: v for k, v in info.items() if k not in _OWN_FIELDS}
         seq, self._seq = self._seq, self._seq + 1  # under the lock
         self._worker.log_event(self.topic, rank_event(
-            kind, job=self.job_id, rank=self.rank, gen=self.generation, time=time.time(),
+            kind, job=self.job_id, rank=self.rank, generation=self.generation, time=time.time(),
             seq=seq, seal=seal(self._secret, self.job_id, self.generation, self.rank, seq, kind),
             **extra))

@@ -42,6 +42,7 @@ from nbtrain.runtime.nvml import monitor_device
 from nbtrain.runtime.output import OutputForwarder
 from nbtrain.runtime.recipe import Recipe
 from nbtrain.runtime.stepper import Stepper
+from nbtrain.runtime.torchrun_env import as_torchrun, torchrun_env
 
 __all__ = ["RankLaunch", "run_rank"]
 
@@ -66,12 +67,16 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
     control: ControlChannel | None = None
     ckpt: RankCheckpointing | None = None
     store: dist.TCPStore | None = None
+    exits = contextlib.ExitStack()
     monitor = monitor_device(device, lambda readings: emitter.emit("device", readings=readings),
                              settings.device_sample_s)
     try:
         t0 = time.perf_counter()
         client = get_client()
         store = _init_process_group(launch, host, device, settings, client)
+        exits.enter_context(as_torchrun(torchrun_env(
+            rank=launch.rank, world_size=launch.world_size, master_addr=store.host,
+            master_port=store.port, generation=launch.generation, run_id=launch.job_id)))
         ctx._mesh = build_device_mesh(mesh_plan, device)
         emitter.emit("phase", phase="setup")  # for the controller's startup watchdog
         control = ControlChannel(launch.job_id, launch.rank, launch.generation, client,
@@ -151,6 +156,7 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
                 recipe.teardown(ctx)
         if control is not None:
             control.close()
+        exits.close()
         _destroy_process_group()
         nccl.bind(launch.job_id, None)
         if monitor is not None:

@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any, TextIO
 
+from nbtrain.core.jobevents import generation_of
 from nbtrain.runtime.events import EventEmitter
 
 __all__ = ["OutputForwarder"]
@@ -163,5 +164,6 @@ class OutputForwarder:
 
 def format_lines(records: list[dict[str, Any]]) -> list[str]:
     """Log records as people read them: ``[rank 1 g0 stderr] text``."""
-    return [f"[rank {r['rank']} g{r['gen']}{'' if r['stream'] == 'stdout' else ' ' + r['stream']}]"
-            f" {r['text']}" for r in records]
+    return [f"[rank {r['rank']} g{generation_of(r)}"
+            f"{'' if r['stream'] == 'stdout' else ' ' + r['stream']}] {r['text']}"
+            for r in records]

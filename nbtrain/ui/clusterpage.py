@@ -24,6 +24,7 @@ from bokeh.models import ColumnDataSource
 from bokeh.models.widgets.markups import Div
 from bokeh.models.widgets.tables import DataTable, HTMLTemplateFormatter, TableColumn
 
+from nbtrain.core.clusterevents import parse_cluster_event
 from nbtrain.core.job import status_progress
 from nbtrain.ui.slots import fit_slot_figure, slot_columns, slot_figure
 
@@ -125,12 +126,9 @@ class ClusterPage:
         if not entries:
             return "<b>Cluster log</b>: nothing yet"
         lines = []
-        for e in reversed(entries):
-            stamp = time.strftime("%H:%M:%S", time.localtime(float(e["time"]))) if e.get(
-                "time") else ""
-            text = e.get("reason") or e.get("note") or ", ".join(
-                f"{k}={v}" for k, v in e.items() if k not in ("time", "kind"))
-            lines.append(f"<div>{stamp} <b>{html.escape(str(e.get('kind', '')))}</b> "
-                         f"{html.escape(str(text))}</div>")
+        for e in map(parse_cluster_event, reversed(entries)):
+            stamp = time.strftime("%H:%M:%S", time.localtime(e.time)) if e.time else ""
+            lines.append(f"<div>{stamp} <b>{html.escape(e.kind)}</b> "
+                         f"{html.escape(e.text)}</div>")
         return ("<b>Cluster log</b> (newest first: preemptions, decisions, workers)"
                 "<div style='font-size:90%;line-height:1.25'>" + "".join(lines) + "</div>")

@@ -17,6 +17,30 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbtrain.core.eventrecords import (
+    CheckpointRecord,
+    DataRecord,
+    EventRecord,
+    FaultInjectedRecord,
+    FaultRecord,
+    GoodputRecord,
+    KnobAppliedRecord,
+    KnobSetRecord,
+    KnobsRecord,
+    MemoryRecord,
+    MitigationRecord,
+    NonFiniteRecord,
+    PreemptionRecord,
+    RankFailedRecord,
+    RecoveryRecord,
+    ResizeRecord,
+    SlowRecord,
+    StateRecord,
+    StragglerRecord,
+    TrackerRecord,
+    UncommittedRecord,
+    parse_event,
+)
 from nbtrain.core.straggler import ratio_text
 
 #: Events that happen on every normal start and end: counted, not shown as alerts.
@@ -103,11 +127,12 @@ class EventLog:
         """Fold one event in; return the alert it raised, if any."""
         self.events_seen += 1
         kind = str(event.get("kind", "?"))
-        when = event_time(event)
-        handler = getattr(self, f"_on_{kind}", None)
         if kind in _QUIET_KINDS:
             return None
-        alert = handler(event, when) if handler is not None else self._generic(kind, event, when)
+        ev = parse_event(event)
+        when = event_time(event)
+        handler = getattr(self, f"_on_{kind}", None)
+        alert = handler(ev, when) if handler is not None else self._generic(ev, when)
         if alert is not None:
             self.alerts.append(alert)
             while len(self.alerts) > self.max_alerts:
@@ -118,55 +143,50 @@ class EventLog:
         """The ``n`` newest alerts, newest first."""
         return list(reversed(list(self.alerts)[-n:]))
 
-    # -- one method per event kind ----------------------------------------------------------
-    def _on_state(self, ev: dict[str, Any], when: float | None) -> Alert:
-        state = str(ev.get("state", "?"))
-        level = {"FAILED": "error", "PREEMPTED": "warn", "CANCELLED": "warn"}.get(state, "info")
-        return Alert(when, level, "state", f"{state}: {ev.get('reason', '')}")
+    # -- one method per event kind (each reads its kind's record, core.eventrecords) ------
+    def _on_state(self, ev: StateRecord, when: float | None) -> Alert:
+        level = {"FAILED": "error", "PREEMPTED": "warn", "CANCELLED": "warn"}.get(ev.state,
+                                                                                  "info")
+        return Alert(when, level, "state", f"{ev.state}: {ev.reason}")
 
-    def _on_rank_failed(self, ev: dict[str, Any], when: float | None) -> Alert:
+    def _on_rank_failed(self, ev: RankFailedRecord, when: float | None) -> Alert:
         self.failures += 1
-        rank = ev.get("rank", "?")
         return Alert(when, "error", "rank_failed",
-                     f"rank {rank} failed at step {ev.get('step', '?')} "
-                     f"(generation {ev.get('gen', '?')}): {_first_line(ev.get('error'))}")
+                     f"rank {_q(ev.rank)} failed at step {_q(ev.step)} "
+                     f"(generation {_q(ev.generation)}): {_first_line(ev.error)}")
 
-    def _on_checkpoint(self, ev: dict[str, Any], when: float | None) -> Alert | None:
+    def _on_checkpoint(self, ev: CheckpointRecord, when: float | None) -> Alert | None:
         ck = self.checkpoint
-        phase = str(ev.get("phase", "?"))
-        step = _int_or_none(ev.get("step"))
-        if phase == "committed":
+        step = ev.step
+        if ev.phase == "committed":
             ck.committed_step = step
             ck.committed_at = when
             ck.commits += 1
-            ck.bytes = _int_or_none(ev.get("bytes")) if ev.get("bytes") is not None else ck.bytes
-            ck.blocking_ms = _float_or(ev.get("blocking_ms"), ck.blocking_ms)
-            ck.persist_ms = _float_or(ev.get("persist_ms"), ck.persist_ms)
+            ck.bytes = ev.bytes if ev.bytes is not None else ck.bytes
+            ck.blocking_ms = _or(ev.blocking_ms, ck.blocking_ms)
+            ck.persist_ms = _or(ev.persist_ms, ck.persist_ms)
             if ck.in_flight_step is not None and (step is None or ck.in_flight_step <= step):
                 ck.in_flight_step = ck.in_flight_phase = None
             return None
-        if phase == "failed":
-            ck.last_error = _first_line(ev.get("error")) or "unknown error"
+        if ev.phase == "failed":
+            ck.last_error = _first_line(ev.error) or "unknown error"
             if ck.in_flight_step == step:
                 ck.in_flight_step = ck.in_flight_phase = None
-            stage = f" during {ev['stage']}" if ev.get("stage") else ""
+            stage = f" during {ev.stage}" if ev.stage else ""
             return Alert(when, "error", "checkpoint",
                          f"checkpoint of step {step} failed{stage}: {ck.last_error}")
         # snapshot / persisted: a checkpoint newer than the committed one is on its way
         if step is not None and (ck.committed_step is None or step > ck.committed_step):
             ck.in_flight_step = step
-            ck.in_flight_phase = phase
-            if ev.get("blocking_ms") is not None:
-                ck.blocking_ms = _float_or(ev.get("blocking_ms"), ck.blocking_ms)
-            if ev.get("bytes") is not None:
-                ck.bytes = _int_or_none(ev.get("bytes"))
+            ck.in_flight_phase = ev.phase
+            ck.blocking_ms = _or(ev.blocking_ms, ck.blocking_ms)
+            if ev.bytes is not None:
+                ck.bytes = ev.bytes
         return None
 
-    def _on_straggler(self, ev: dict[str, Any], when: float | None) -> Alert | None:
-        rank = int(ev.get("rank", -1))
-        state = str(ev.get("state", "suspect"))
-        phase = str(ev.get("phase", "step"))
-        ratio = _float_or(ev.get("ratio"), None)
+    def _on_straggler(self, ev: StragglerRecord, when: float | None) -> Alert | None:
+        rank = -1 if ev.rank is None else ev.rank
+        state, phase, ratio = ev.state, ev.phase, ev.ratio
         if state == "cleared":
             if self._shown.pop((rank, phase), None) is None:
                 return None  # an episode that was never shown ends quietly
@@ -174,16 +194,14 @@ class EventLog:
             return Alert(when, "info", "straggler", f"rank {rank} is no longer slow ({phase})")
         if state == "suspect" and not self.show_suspects:
             return None
-        since = _int_or_none(ev.get("since_step"))
-        hint = str(ev.get("hint", "") or "")
-        self._shown[rank, phase] = Straggler(rank, phase, state, ratio, since, hint)
+        since = ev.since_step
+        self._shown[rank, phase] = Straggler(rank, phase, state, ratio, since, ev.hint)
         self._sync_stragglers()
-        compared = ratio_text(ratio, _float_or(ev.get("peer_s"), None))
-        excess = _float_or(ev.get("excess_s"), None)
-        if ratio is None and excess is not None:  # the detector nulls a ratio that says nothing
-            compared = f"+{excess * 1e3:.1f} ms/step ({compared})"
+        compared = ratio_text(ratio, ev.peer_s)
+        if ratio is None and ev.excess_s is not None:  # the detector nulls a useless ratio
+            compared = f"+{ev.excess_s * 1e3:.1f} ms/step ({compared})"
         since_txt = "" if since is None else f" since step {since}"
-        hint_txt = f" — {hint}" if hint else ""
+        hint_txt = f" — {ev.hint}" if ev.hint else ""
         return Alert(when, "warn", "straggler",
                      f"rank {rank} {state} straggler in {phase}: {compared}"
                      f"{since_txt}{hint_txt}")
@@ -192,97 +210,85 @@ class EventLog:
         ordered = sorted(self._shown.values(), key=lambda s: (s.rank, s.state == "confirmed"))
         self.stragglers = {s.rank: s for s in ordered}  # the last one per rank wins
 
-    def _on_mitigation(self, ev: dict[str, Any], when: float | None) -> Alert | None:
-        if ev.get("action") == "alert":
+    def _on_mitigation(self, ev: MitigationRecord, when: float | None) -> Alert | None:
+        if ev.action == "alert":
             return None  # report-only policy: the straggler alert already says it
         return Alert(when, "warn", "mitigation",
-                     f"{ev.get('action', '?')} rank {ev.get('rank', '?')}: "
-                     f"{ev.get('reason', '')}")
+                     f"{_q(ev.action)} rank {_q(ev.rank)}: {ev.reason}")
 
-    def _on_fault(self, ev: dict[str, Any], when: float | None) -> Alert:
-        host = f" on {ev['host']}" if ev.get("host") else ""
-        detect = (f", detected in {float(ev['detect_s']):.1f} s"
-                  if ev.get("detect_s") is not None else "")
-        cause = f": {ev['cause']}" if ev.get("cause") else ""
-        gen = _int_or_none(ev.get("generation"))
-        if gen is not None:
-            self.ended_by[gen] = ("restart", f"restart after {ev.get('what', 'a fault')} on "
-                                             f"rank {ev.get('rank', '?')}{cause}")
+    def _on_fault(self, ev: FaultRecord, when: float | None) -> Alert:
+        host = f" on {ev.host}" if ev.host else ""
+        detect = f", detected in {ev.detect_s:.1f} s" if ev.detect_s is not None else ""
+        cause = f": {ev.cause}" if ev.cause else ""
+        if ev.generation is not None:
+            what = "a fault" if ev.what is None else ev.what
+            self.ended_by[ev.generation] = (
+                "restart", f"restart after {what} on rank {_q(ev.rank)}{cause}")
         return Alert(when, "error", "fault",
-                     f"fault: {ev.get('what', '?')} rank {ev.get('rank', '?')}{host} at step "
-                     f"{ev.get('step', '?')}{detect}{cause}")
+                     f"fault: {_q(ev.what)} rank {_q(ev.rank)}{host} at step "
+                     f"{_q(ev.step)}{detect}{cause}")
 
-    def _on_preemption(self, ev: dict[str, Any], when: float | None) -> Alert:
-        gen = _int_or_none(ev.get("generation"))
-        why = str(ev.get("reason") or ev.get("cause") or "preempted")
-        if gen is not None:
-            self.ended_by[gen] = ("resume", f"resumed after a preemption ({why})")
-        forced = " (forced: grace ran out)" if ev.get("forced") else ""
+    def _on_preemption(self, ev: PreemptionRecord, when: float | None) -> Alert:
+        why = str(ev.reason or ev.cause or "preempted")
+        if ev.generation is not None:
+            self.ended_by[ev.generation] = ("resume", f"resumed after a preemption ({why})")
+        forced = " (forced: grace ran out)" if ev.forced else ""
         return Alert(when, "warn", "preemption",
-                     f"preempted at step {ev.get('step', '?')}: {why}{forced}")
+                     f"preempted at step {_q(ev.step)}: {why}{forced}")
 
-    def _on_uncommitted(self, ev: dict[str, Any], when: float | None) -> Alert:
-        return Alert(when, "warn", "checkpoint", str(ev.get("reason") or "checkpoint lost"))
+    def _on_uncommitted(self, ev: UncommittedRecord, when: float | None) -> Alert:
+        return Alert(when, "warn", "checkpoint", ev.reason or "checkpoint lost")
 
-    def _on_slow(self, ev: dict[str, Any], when: float | None) -> Alert:
-        return Alert(when, "warn", "slow", str(ev.get("note") or "slow steps"))
+    def _on_slow(self, ev: SlowRecord, when: float | None) -> Alert:
+        return Alert(when, "warn", "slow", ev.note or "slow steps")
 
-    def _on_tracker(self, ev: dict[str, Any], when: float | None) -> Alert:
-        return Alert(when, "warn", "tracker", f"tracker: {ev.get('error', '?')}")
+    def _on_tracker(self, ev: TrackerRecord, when: float | None) -> Alert:
+        return Alert(when, "warn", "tracker", f"tracker: {_q(ev.error)}")
 
-    def _on_nonfinite(self, ev: dict[str, Any], when: float | None) -> Alert:
-        then = "; halting the job" if ev.get("halting") else ""
+    def _on_nonfinite(self, ev: NonFiniteRecord, when: float | None) -> Alert:
+        then = "; halting the job" if ev.halting else ""
         return Alert(when, "error", "nonfinite",
-                     f"rank {ev.get('rank', '?')} reported {ev.get('metric', '?')} = "
-                     f"{ev.get('value', '?')} at step {ev.get('step', '?')}{then}")
+                     f"rank {_q(ev.rank)} reported {_q(ev.metric)} = "
+                     f"{_q(ev.value)} at step {_q(ev.step)}{then}")
 
-    def _on_fault_injected(self, ev: dict[str, Any], when: float | None) -> Alert:
-        raw = ev.get("fault")
-        fault: dict[str, Any] = raw if isinstance(raw, dict) else {}
-        kind = fault.get("kind", "?")
-        slow = (f" x{float(fault['factor']):g}"
-                if kind == "slow" and fault.get("factor") is not None else "")
+    def _on_fault_injected(self, ev: FaultInjectedRecord, when: float | None) -> Alert:
+        kind = _q(ev.fault_kind)
+        slow = f" x{ev.factor:g}" if kind == "slow" and ev.factor is not None else ""
         return Alert(when, "warn", "fault_injected",
-                     f"injected {kind}{slow} into rank {fault.get('rank', ev.get('rank', '?'))}"
-                     f" at step {ev.get('step', '?')}")
+                     f"injected {kind}{slow} into rank {_q(ev.target_rank)}"
+                     f" at step {_q(ev.step)}")
 
-    def _on_recovery(self, ev: dict[str, Any], when: float | None) -> Alert:
+    def _on_recovery(self, ev: RecoveryRecord, when: float | None) -> Alert:
         self.restarts += 1
-        rec = ev.get("recovery_s")
-        rec_txt = f" in {float(rec):.1f} s" if rec is not None else ""
-        lost = ev.get("lost_steps")
-        lost_txt = f", {lost} steps redone" if lost is not None else ""
+        rec_txt = f" in {ev.recovery_s:.1f} s" if ev.recovery_s is not None else ""
+        lost_txt = f", {ev.lost_steps} steps redone" if ev.lost_steps is not None else ""
         return Alert(when, "info", "recovery",
-                     f"recovered: generation {ev.get('generation', '?')}{rec_txt}{lost_txt}")
+                     f"recovered: generation {_q(ev.generation)}{rec_txt}{lost_txt}")
 
-    def _on_resize(self, ev: dict[str, Any], when: float | None) -> Alert | None:
-        phase = str(ev.get("phase", "done"))
-        old, new = ev.get("old", "?"), ev.get("new", "?")
-        reason = f" ({ev['reason']})" if ev.get("reason") else ""
-        if phase == "started":
-            gen = _int_or_none(ev.get("generation"))
-            if gen is not None:
-                self.resized_generations[gen] = (old, new)
+    def _on_resize(self, ev: ResizeRecord, when: float | None) -> Alert | None:
+        old, new = _q(ev.old), _q(ev.new)
+        reason = f" ({ev.reason})" if ev.reason else ""
+        if ev.phase == "started":
+            if ev.generation is not None:
+                self.resized_generations[ev.generation] = (old, new)
             return None  # "requested" and "done" say it
-        if phase == "requested":
+        if ev.phase == "requested":
             return Alert(when, "info", "resize", f"resizing {old} -> {new} ranks at the next "
                                                  f"step boundary{reason}")
-        if phase == "waiting":
-            return Alert(when, "info", "resize", str(ev.get("reason") or
-                                                     f"waiting to grow to {new} ranks"))
+        if ev.phase == "waiting":
+            return Alert(when, "info", "resize", ev.reason or f"waiting to grow to {new} ranks")
         self.resizes += 1
-        took = ev.get("duration_s")
-        took_txt = f" in {float(took):.1f} s" if took is not None else ""
-        return Alert(when, "info", "resize", f"resized {old} -> {new} ranks{took_txt}")
+        took = f" in {ev.duration_s:.1f} s" if ev.duration_s is not None else ""
+        return Alert(when, "info", "resize", f"resized {old} -> {new} ranks{took}")
 
-    def _on_memory(self, ev: dict[str, Any], when: float | None) -> None:
+    def _on_memory(self, ev: MemoryRecord, when: float | None) -> None:
         """A rank's state bytes after its generation's first step (no alert: a panel line)."""
-        rank, gen = _int_or_none(ev.get("rank")), _int_or_none(ev.get("gen"))
+        rank, gen = ev.rank, ev.generation
         if rank is None or gen is None or gen < self.memory_generation:
             return None
         if gen > self.memory_generation:
             self.memory, self.memory_generation = {}, gen
-        self.memory[rank] = dict(ev)
+        self.memory[rank] = dict(ev.raw)
         return None
 
     def describe_memory(self) -> str:
@@ -290,48 +296,45 @@ class EventLog:
         r0 params 1.2 MB + optimizer 2.4 MB; r1 ...`` ("" before the first report)."""
         if not self.memory:
             return ""
-        how = sorted({f"{m.get('strategy') or '?'}, {m.get('precision') or '?'}"
-                      for m in self.memory.values()})
-        parts = [f"r{r} params {format_bytes(int(m.get('params_bytes', 0)))} + optimizer "
-                 f"{format_bytes(int(m.get('optimizer_bytes', 0)))}"
-                 for r, m in sorted(self.memory.items())]
+        records = {r: MemoryRecord.from_event(m) for r, m in self.memory.items()}
+        how = sorted({f"{m.strategy or '?'}, {m.precision or '?'}" for m in records.values()})
+        parts = [f"r{r} params {format_bytes(m.params_bytes)} + optimizer "
+                 f"{format_bytes(m.optimizer_bytes)}" for r, m in sorted(records.items())]
         if len(parts) > 8:
             parts = [*parts[:4], f"... {len(parts) - 6} more ...", *parts[-2:]]
         return f"state per rank ({'; '.join(how)}): " + "; ".join(parts)
 
-    def _on_data(self, ev: dict[str, Any], when: float | None) -> Alert:
+    def _on_data(self, ev: DataRecord, when: float | None) -> Alert:
         """Where a generation's data starts: the global position, split over its ranks."""
-        ranks = ev.get("world_size", "?")
-        parts = [f"step {ev.get('step', '?')}: {ranks} rank{'' if ranks == 1 else 's'}"]
-        if ev.get("global_batch_size") is not None:
-            parts.append(f"global batch {ev['global_batch_size']}, continuing at sample "
-                         f"{ev.get('cursor', '?')} of epoch {ev.get('epoch', '?')}")
-        if ev.get("lr_rule"):
-            parts.append(f"LR x{float(ev.get('lr_factor') or 1.0):.3g} ({ev['lr_rule']} rule, "
-                         f"base {ev.get('lr_base_world_size')} ranks)")
+        ranks = _q(ev.world_size)
+        parts = [f"step {_q(ev.step)}: {ranks} rank{'' if ranks == 1 else 's'}"]
+        if ev.global_batch_size is not None:
+            parts.append(f"global batch {ev.global_batch_size}, continuing at sample "
+                         f"{_q(ev.cursor)} of epoch {_q(ev.epoch)}")
+        if ev.lr_rule:
+            parts.append(f"LR x{ev.lr_factor or 1.0:.3g} ({ev.lr_rule} rule, "
+                         f"base {ev.lr_base_world_size} ranks)")
         return Alert(when, "info", "data", "; ".join(parts))
 
-    def _on_knobs(self, ev: dict[str, Any], when: float | None) -> Alert | None:
+    def _on_knobs(self, ev: KnobsRecord, when: float | None) -> Alert | None:
         """Rank 0's declarations: shown once per generation only when it has knobs of its
         own (the optimizer's built-ins are always there)."""
-        own = [s.get("name") for s in ev.get("specs") or () if not s.get("builtin")]
+        own = [s.get("name") for s in ev.specs if not s.get("builtin")]
         if not own:
             return None
-        values = ev.get("values") or {}
         return Alert(when, "info", "knobs", "knobs: " + ", ".join(
-            f"{n}={_num(values.get(n))}" for n in own))
+            f"{n}={_num(ev.values.get(str(n)))}" for n in own))
 
-    def _on_knob_set(self, ev: dict[str, Any], when: float | None) -> Alert:
-        change = ev.get("change") or {}
+    def _on_knob_set(self, ev: KnobSetRecord, when: float | None) -> Alert:
+        change = ev.change
         return Alert(when, "info", "knobs", f"knob change by {change.get('who') or '?'}: "
                      f"{_values(change)} (pending: every rank applies it at its next "
                      "agreement)")
 
-    def _on_knob_applied(self, ev: dict[str, Any], when: float | None) -> Alert:
-        step = ev.get("step", "?")
-        parts = [f"{_values(c)} by {c.get('who') or '?'}" for c in ev.get("changes") or ()]
-        return Alert(when, "info", "knobs", f"knobs applied at step {step} on every rank: "
-                     + "; ".join(parts))
+    def _on_knob_applied(self, ev: KnobAppliedRecord, when: float | None) -> Alert:
+        parts = [f"{_values(c)} by {c.get('who') or '?'}" for c in ev.changes]
+        return Alert(when, "info", "knobs", f"knobs applied at step {_q(ev.step)} on every "
+                     "rank: " + "; ".join(parts))
 
     def describe_generation(self, gen: int) -> tuple[str, str]:
         """What started generation ``gen`` (for the plots' marks): ("resize", "2→1 ranks"),
@@ -341,19 +344,26 @@ class EventLog:
             return "resize", f"{sizes[0]}\u2192{sizes[1]} ranks"
         return self.ended_by.get(gen - 1, ("restart", f"generation {gen}"))
 
-    def _on_goodput(self, ev: dict[str, Any], when: float | None) -> None:
-        fraction = ev.get("fraction")
-        if fraction is not None:
-            self.goodput = float(fraction)
-        self.goodput_parts = {k: float(v) for k, v in ev.items()
-                              if k.endswith("_s") and isinstance(v, (int, float))}
+    def _on_goodput(self, ev: GoodputRecord, when: float | None) -> None:
+        if ev.fraction is not None:
+            self.goodput = ev.fraction
+        self.goodput_parts = ev.parts
         return None
 
-    def _generic(self, kind: str, ev: dict[str, Any], when: float | None) -> Alert:
-        skip = {"kind", "time", "rank", "gen"}
-        detail = ", ".join(f"{k}={v}" for k, v in ev.items() if k not in skip)
-        rank = f"rank {ev['rank']}: " if "rank" in ev else ""
-        return Alert(when, "info", kind, f"{kind}: {rank}{detail}")
+    def _generic(self, ev: EventRecord, when: float | None) -> Alert:
+        skip = {"kind", "time", "rank", "generation", "gen"}
+        detail = ", ".join(f"{k}={v}" for k, v in ev.raw.items() if k not in skip)
+        rank = f"rank {ev.raw['rank']}: " if "rank" in ev.raw else ""
+        return Alert(when, "info", ev.kind, f"{ev.kind}: {rank}{detail}")
+
+
+def _q(value: object) -> object:
+    """A field as shown: "?" when the event did not say."""
+    return "?" if value is None else value
+
+
+def _or(value: float | None, default: float | None) -> float | None:
+    return default if value is None else value
 
 
 def _num(v: Any) -> str:
@@ -399,17 +409,3 @@ def format_bytes(n: int) -> str:
 def _first_line(value: object) -> str:
     text = "" if value is None else str(value)
     return text.strip().splitlines()[0] if text.strip() else ""
-
-
-def _int_or_none(value: object) -> int | None:
-    try:
-        return None if value is None else int(value)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
-        return None
-
-
-def _float_or(value: object, default: float | None) -> float | None:
-    try:
-        return default if value is None else float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return default
