@@ -84,8 +84,9 @@ class GpuRegression(Regression):
 
 
 def single_process_params(steps: int, batch: int = 32, lr: float = 0.05,
-                          n: int = 256) -> dict[str, torch.Tensor]:
-    """The same training as ``Regression`` on one process over the same global batches."""
+                          n: int = 256, clip: float = 0.0) -> dict[str, torch.Tensor]:
+    """The same training as ``Regression`` on one process over the same global batches
+    (``clip``: the gradients' norm clipped to it before every step, as torch does)."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     loader = ShardedLoader(regression_data(n), global_batch_size=batch, rank=0, world_size=1)
@@ -94,6 +95,8 @@ def single_process_params(steps: int, batch: int = 32, lr: float = 0.05,
         loss = F.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
     return model.state_dict()
 
@@ -131,7 +134,9 @@ def regression_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> dict[s
 
 def steered_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> dict[str, Any]:
     """``regression_train`` with a user knob: ``aux_weight`` weighs an L2 penalty on the
-    parameters. Every rank reports the LR and the knob it trained each step with."""
+    parameters. Every rank reports the LR and the knob it trained each step with.
+    ``hold_first_generation_at``: the first generation's ranks stop in the step after that
+    one, so they never agree again (until their workers end)."""
     aux = ctx.knobs.declare("aux_weight", 0.1, min=0.0, max=1.0)
     ctx.knobs.declare("lr", min=0.0, max=1.0)  # bounds for the built-in
     model = ctx.prepare(make_model())
@@ -140,6 +145,9 @@ def steered_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> dict[str,
     for x, y in ctx.batches(regression_data(), global_batch_size=config.get("batch", 32)):
         if config.get("step_sleep"):
             time.sleep(config["step_sleep"])
+        hold = config.get("hold_first_generation_at")
+        while hold is not None and ctx.generation == 0 and ctx.step >= hold:
+            time.sleep(0.05)
         aux = ctx.knob("aux_weight")
         penalty = sum((p * p).sum() for p in model.parameters())
         loss = F.mse_loss(model(x), y) + aux * 1e-3 * penalty

@@ -189,7 +189,11 @@ def test_machine_sends_pending_changes_and_records_them_applied() -> None:
     nxt = h.launches("a")[-1]
     assert nxt.generation > gen
     assert [c["step"] for c in nxt.knobs["history"]] == [40]
-    assert nxt.knobs["specs"] == SPECS
+    # The ranks' declarations, and the controller's own knobs (its straggler settings).
+    assert [s for s in nxt.knobs["specs"] if s["by"] == "ranks"] == SPECS
+    assert {s["name"] for s in nxt.knobs["judged"]} == {
+        s["name"] for s in nxt.knobs["specs"] if s["by"] == "controller"} >= {
+        "straggler_ratio", "straggler_window"}
 
 
 def test_machine_refuses_a_change_on_an_ended_job_and_restores_carried_knobs() -> None:

@@ -236,7 +236,7 @@ def _owner_page_sets(dask_scheduler: Any, job_id: str, lr: float) -> dict[str, A
     ctl = dask_scheduler.plugins[PLUGIN_NAME]
     served = JobPage(ControllerFeed(ctl, job_id, issue_ticket(ctl, job_id)))
     assert served.knobs is not None
-    inputs = sorted(served.knobs.inputs)
+    inputs = {name: field.mode for name, field in served.knobs.inputs.items()}
     served.knobs.inputs["lr"].value = lr
     served.knobs.send()
     return {"inputs": inputs, "message": served.message.text}
@@ -249,7 +249,15 @@ def test_the_owners_page_sets_knobs(free_cluster: nbtrain.Cluster) -> None:
         wait_for(lambda: bool(job.knobs.declared) and job.step >= 3, 120, "its knobs")
         shown = free_cluster.client.run_on_scheduler(_owner_page_sets, job_id=job.id,
                                                      lr=0.01)
-        assert shown["inputs"] == ["grad_clip", "lr", "lr_factor", "weight_decay"]
+        # The optimizer's knobs, the checkpoint interval and the controller's straggler
+        # settings; whole numbers where the knob counts steps.
+        assert set(shown["inputs"]) == {"grad_clip", "lr", "lr_factor", "weight_decay",
+                                        "checkpoint_every", "straggler_ratio",
+                                        "straggler_window", "straggler_suspect_votes",
+                                        "straggler_confirm_share", "straggler_confirm_z",
+                                        "straggler_confirm_s"}
+        assert shown["inputs"]["checkpoint_every"] == shown["inputs"]["straggler_window"] \
+            == "int" and shown["inputs"]["lr"] == "float"
         assert "set requested" in shown["message"]
         wait_for(lambda: bool(job.knobs.history), 60, "the change applied")
         [change] = job.knobs.history

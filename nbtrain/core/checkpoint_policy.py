@@ -187,11 +187,26 @@ class CheckpointPolicy:
         self._requested = False
         self._cost_s: float | None = None
         self._mtbf_s = config.mtbf_s
+        self._every_steps = config.every_steps
 
     # -- inputs -------------------------------------------------------------------------------
     def request(self) -> None:
         """On demand (``job.checkpoint()``): the next step boundary is due."""
         self._requested = True
+
+    def set_every_steps(self, every_steps: int | None) -> None:
+        """Replace the step interval (the ``checkpoint_every`` knob; None or 0: off), in
+        force from the next boundary; still aligned to its multiples."""
+        if every_steps is not None and (isinstance(every_steps, bool)
+                                        or not isinstance(every_steps, int) or every_steps < 0):
+            raise ValueError(f"every_steps must be a whole number of steps >= 0, got "
+                             f"{every_steps!r}")
+        self._every_steps = every_steps or None
+
+    @property
+    def every_steps(self) -> int | None:
+        """The step interval in force (None: no step-based checkpoints)."""
+        return self._every_steps
 
     def set_mtbf(self, mtbf_s: float) -> None:
         """Replace the MTBF (e.g. observed by the engine); the auto interval follows."""
@@ -237,7 +252,7 @@ class CheckpointPolicy:
             return False
         if self._requested:
             return True
-        n = self.config.every_steps
+        n = self._every_steps
         if n is not None and step >= (self._last_step // n + 1) * n:
             return True
         if self.config.auto and self._cost_s is None:

@@ -198,6 +198,8 @@ class LiveJob:
         self.parked = False
         #: Declared knobs, pending changes and the applied history (``core.knobs``).
         self.knobs = KnobBook.replaying(sub.knob_history)
+        self.knobs.offer(self.stragglers.specs())
+        self.stragglers.follow(self.knobs.history)
 
     @property
     def id(self) -> str:
@@ -237,6 +239,8 @@ class LiveJob:
         self.started = carried.started
         if carried.knobs:
             self.knobs = KnobBook.from_wire(carried.knobs)
+            self.knobs.offer(self.stragglers.specs())
+            self.stragglers.follow(self.knobs.history)
         lost = max(0, self.step - self.committed_step)
         fault: dict[str, Any] = {
             **fault_event(wall, what="controller", rank=None, host=None, step=self.step,

@@ -2,11 +2,13 @@
 
 A job declares what may change and its bounds (:class:`KnobSpec`): the built-ins a rank
 declares for its tracked optimizers (``lr`` absolute on every param group, ``lr_factor``
-relative to each group's own LR, ``weight_decay``, ``grad_clip``) and the user's own
-(``ctx.knobs.declare("aux_weight", 0.1, min=0, max=1)``). A change (:class:`KnobChange`)
-sets new values, at once or as a ramp over ``ramp`` steps (linear or cosine); it is
-*pending* until every rank applies it at one agreed step boundary, then it is *applied* at
-that ``step`` and belongs to the job's history.
+relative to each group's own LR, ``weight_decay``, ``grad_clip``) and for its checkpoints
+(``checkpoint_every``, whole steps), the straggler detector's settings that the controller
+declares and judges with itself (``straggler_ratio``, ...: :mod:`nbtrain.core.stragglerknobs`),
+and the user's own (``ctx.knobs.declare("aux_weight", 0.1, min=0, max=1)``). A change
+(:class:`KnobChange`) sets new values, at once or as a ramp over ``ramp`` steps (linear or
+cosine); it is *pending* until every rank applies it at one agreed step boundary, then it
+is *applied* at that ``step`` and belongs to the job's history.
 
 The values in force are a pure function of the declarations, the applied history and the
 step (:func:`values_at`): the ranks, the controller, a restart and a replay all compute the
@@ -31,6 +33,7 @@ from typing import Any
 
 __all__ = [
     "BUILTIN",
+    "BY",
     "HISTORY_MAX",
     "KNOBS_MAX",
     "PENDING_MAX",
@@ -48,8 +51,12 @@ __all__ = [
     "values_at",
 ]
 
-#: Knobs the rank runtime declares itself for the tracked optimizers.
-BUILTIN = ("lr", "lr_factor", "weight_decay", "grad_clip")
+#: Knobs the rank runtime declares itself: for the tracked optimizers, and (a job with a
+#: checkpoint directory) the step interval of its checkpoints.
+BUILTIN = ("lr", "lr_factor", "weight_decay", "grad_clip", "checkpoint_every")
+#: Who applies a knob: every rank at the agreed step, or the controller (which judges the
+#: job's step rows with it from the step after the agreed one).
+BY = ("ranks", "controller")
 #: Ramp shapes: the fraction of the way to the new value after ``k`` of ``n`` steps.
 SHAPES = ("linear", "cosine")
 #: Bounds on what one job may hold: declared knobs, pending changes, applied history.
@@ -76,6 +83,15 @@ class KnobSpec:
     min: float | None = None
     max: float | None = None
     builtin: bool = False
+    #: Whole numbers only (a step count); such a knob jumps, it takes no ramp.
+    integer: bool = False
+    #: Who applies it (``BY``); the controller's knobs jump too (no ramp).
+    by: str = "ranks"
+
+    @property
+    def ramps(self) -> bool:
+        """Whether a change may ramp this knob (a number the ranks apply every step)."""
+        return not self.integer and self.by == "ranks"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier() \
@@ -91,6 +107,9 @@ class KnobSpec:
                 raise KnobError(f"knob {self.name}: {what} must be a finite number, got {v!r}")
         if self.min is not None and self.max is not None and self.min > self.max:
             raise KnobError(f"knob {self.name}: min {self.min:g} is above max {self.max:g}")
+        if self.by not in BY:
+            raise KnobError(f"knob {self.name}: by must be one of {', '.join(BY)}, got "
+                            f"{self.by!r}")
         problem = self.out_of_bounds(float(self.default))
         if problem:
             raise KnobError(f"knob {self.name}: its default {problem}")
@@ -105,14 +124,16 @@ class KnobSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "default": float(self.default), "min": self.min,
-                "max": self.max, "builtin": self.builtin}
+                "max": self.max, "builtin": self.builtin, "integer": self.integer,
+                "by": self.by}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> KnobSpec:
         lo, hi = d.get("min"), d.get("max")
         return cls(name=str(d["name"]), default=_number(d["default"]),
                    min=None if lo is None else _number(lo),
-                   max=None if hi is None else _number(hi), builtin=bool(d.get("builtin")))
+                   max=None if hi is None else _number(hi), builtin=bool(d.get("builtin")),
+                   integer=bool(d.get("integer")), by=str(d.get("by", "ranks")))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,6 +230,14 @@ def check_change(specs: Mapping[str, KnobSpec], values: Mapping[str, Any], *, ra
         if not _is_number(value) or not math.isfinite(float(value)):
             problems.append(f"{name} must be a finite number, got {value!r}")
             continue
+        if spec.integer and not float(value).is_integer():
+            problems.append(f"{name} takes whole numbers (a count of steps), got {value!r}")
+            continue
+        if ramp and not spec.ramps:
+            why = "it counts whole steps" if spec.integer else "the controller applies it"
+            problems.append(f"{name} cannot ramp ({why}): set it with ramp=0, in a change "
+                            "of its own")
+            continue
         why = spec.out_of_bounds(float(value))
         if why:
             problems.append(f"{name}={value:g}: {why} (declared bounds "
@@ -230,6 +259,9 @@ class KnobBook:
     seq: int = 0
     #: Rank 0 has reported its declarations (possibly none).
     declared: bool = False
+    #: The knobs the controller declares itself (``by="controller"``): known before any
+    #: rank reports, and they win over a rank's copy.
+    judged: dict[str, KnobSpec] = field(default_factory=dict)
 
     @classmethod
     def replaying(cls, history: Iterable[Mapping[str, Any]]) -> KnobBook:
@@ -244,6 +276,11 @@ class KnobBook:
         changes.sort(key=lambda c: (c.step or 0, c.seq))
         return cls(history=changes, seq=max((c.seq for c in changes), default=0))
 
+    def offer(self, specs: Iterable[KnobSpec]) -> None:
+        """The controller's own knobs (its straggler settings), declared for the job."""
+        self.judged = {s.name: s for s in specs}
+        self.specs = {**self.specs, **self.judged}
+
     def declare(self, specs: Iterable[Mapping[str, Any]]) -> None:
         """What rank 0 declared when its loop started (bounded; malformed ones dropped)."""
         out: dict[str, KnobSpec] = {}
@@ -253,18 +290,23 @@ class KnobBook:
             except (KnobError, KeyError, TypeError, ValueError):
                 continue
             out[spec.name] = spec
-        self.specs = out
+        self.specs = {**out, **self.judged}
         self.declared = True
 
     def request(self, values: Mapping[str, Any], *, ramp: int = 0, shape: str = "linear",
                 who: str = "", wall: float = 0.0, job: str = "the job") -> KnobChange:
         """A new pending change, or :class:`KnobError` with the values and the fix."""
-        if not self.specs and self.declared:
-            raise KnobError(f"{job} has no knobs: declare them in the training function "
-                            "(ctx.knobs.declare('name', default, min=..., max=...)), or track "
-                            "an optimizer (ctx.track(optimizer=...)) for lr, lr_factor, "
-                            "weight_decay and grad_clip")
-        if not self.specs:
+        ranks = {n for n in self.specs if n not in self.judged}
+        asks_ranks = isinstance(values, Mapping) and any(n not in self.judged for n in values)
+        if asks_ranks and not ranks and self.declared:
+            raise KnobError(f"{job} has no knobs{' of its ranks' if self.judged else ''}: "
+                            "declare them in the training function "
+                            "(ctx.knobs.declare('name', default, min=..., max=...)), "
+                            "or track an optimizer (ctx.track(optimizer=...)) for lr, "
+                            "lr_factor, weight_decay and grad_clip"
+                            + (f"; the controller's own are {_names(self.judged)}"
+                               if self.judged else ""))
+        if asks_ranks and not ranks:
             raise KnobError(f"{job} has not declared its knobs yet: a job declares them when "
                             "its ranks start training; wait until job.knobs lists them")
         if len(self.pending) >= PENDING_MAX:
@@ -305,14 +347,16 @@ class KnobBook:
         return {"specs": [s.to_dict() for s in self.specs.values()],
                 "pending": [c.to_dict() for c in self.pending],
                 "history": [c.to_dict() for c in self.history], "seq": self.seq,
-                "declared": self.declared}
+                "declared": self.declared,
+                "judged": [s.to_dict() for s in self.judged.values()]}
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> KnobBook:
         book = cls(pending=[KnobChange.from_dict(c) for c in d.get("pending", ())],
                    history=[KnobChange.from_dict(c) for c in d.get("history", ())],
                    seq=int(d.get("seq", 0)))
-        book.declare(d.get("specs", ()))
+        book.offer(KnobSpec.from_dict(s) for s in d.get("judged", ()))
+        book.declare(s for s in d.get("specs", ()) if s.get("name") not in book.judged)
         book.declared = bool(d.get("declared", book.specs))
         return book
 

@@ -88,6 +88,8 @@ class RankCheckpointing:
         self.meta_hook: Callable[[], dict[str, Any]] | None = None
         #: This rank's meta of the checkpoint it restored (empty: a fresh start).
         self.restored_meta: dict[str, Any] = {}
+        #: The checkpoint restored is the job's own (not a ``resume=`` source).
+        self.restored_own = False
 
     def bind(self, state: dict[str, Any], loader: PositionedLoader | None) -> None:
         """What checkpoints hold, known when the training loop starts."""
@@ -115,6 +117,7 @@ class RankCheckpointing:
         if choice is None:
             return 0, []
         url = sources[choice.source][0]
+        self.restored_own = choice.source == 0
         store = CheckpointStore(url, keep=self.plan.keep)
         skipped: list[tuple[int, str]] = []
         for step in choice.steps:
@@ -198,7 +201,9 @@ class RankCheckpointing:
             restore_rng_state(meta["rng"])
         else:
             seed_rng(self.seed, step, self.rank)
+        every = self.every_steps  # the knob's, when one set it: kept
         self.policy = CheckpointPolicy(self.plan.policy, now=time.monotonic(), step=step)
+        self.policy.set_every_steps(every)
         self.last_saved_step = step
 
     def _load_sharded(self, store: CheckpointStore, manifest: Manifest,
@@ -232,8 +237,20 @@ class RankCheckpointing:
         return dict(payload.get("meta") or {})
 
     # -- save -------------------------------------------------------------------------------
+    @property
+    def every_steps(self) -> int | None:
+        """The step interval in force: the plan's, until the ``checkpoint_every`` knob
+        changes it (:meth:`set_every_steps`)."""
+        return self.policy.every_steps
+
+    def set_every_steps(self, value: float) -> None:
+        """The ``checkpoint_every`` knob (0: none by steps). Every rank applies it at the
+        same step boundary (after this boundary's own decision), so the deterministic
+        checkpoints stay the same steps on every rank."""
+        self.policy.set_every_steps(int(value))
+
     def deterministic_due(self, step: int) -> bool:
-        n = self.plan.policy.every_steps
+        n = self.every_steps
         return n is not None and step % n == 0
 
     def locally_due(self, step: int) -> bool:

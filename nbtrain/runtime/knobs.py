@@ -7,20 +7,25 @@ step: a live change joins the history at the step all ranks agreed on
 applies the same history at the same steps. Built-ins act on the tracked optimizers' param
 groups: ``lr`` (absolute, every group), ``lr_factor`` (relative to each group's own LR,
 applied like :mod:`nbtrain.runtime.lr_rules` so a restore lands on the same LR),
-``weight_decay`` (every group that has one) and ``grad_clip`` (the gradients' total norm is
-clipped to it before each optimizer step; 0 = off). A built-in no change ever named is left
-alone, so an LR scheduler keeps the optimizer to itself until the LR is steered.
+``weight_decay`` (every group that has one) and ``grad_clip`` (the gradients' global total
+norm, across FSDP and TP shards, is clipped to it before each optimizer step; 0 = off:
+:mod:`nbtrain.runtime.gradclip`). The loop provides ``checkpoint_every`` (the step interval
+of checkpoints, 0 = none by steps) for a job with a checkpoint directory. A built-in no
+change ever named is left alone, so an LR scheduler keeps the optimizer to itself until the
+LR is steered. The controller's own knobs (the straggler settings) are known here too, so
+their changes join the same history, but nothing on a rank acts on them.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from nbtrain.core.knobs import BUILTIN, KNOBS_MAX, KnobChange, KnobError, KnobSpec, values_at
+from nbtrain.runtime.gradclip import clip_grad_norm
 
 __all__ = ["RankKnobs"]
 
@@ -41,6 +46,10 @@ class RankKnobs:
         self._started = False
         self._watch_from = 0  # the first step a change (or a ramp) may touch
         self._given: list[KnobChange] = []  # the controller's history, from the launch
+        self.recovered: list[KnobChange] = []  # see start()
+        self._judged: list[KnobSpec] = []  # the controller's own knobs, from the launch
+        #: Built-ins the loop provides (checkpoint_every): spec and what applies a value.
+        self._provided: dict[str, tuple[KnobSpec, Callable[[float], None]]] = {}
 
     # -- the user's side ----------------------------------------------------------------------
     def declare(self, name: str, default: float | None = None, *, min: float | None = None,
@@ -53,6 +62,10 @@ class RankKnobs:
         if self._started:
             raise RuntimeError(f"ctx.knobs.declare({name!r}, ...) after the training loop "
                                "started: declare knobs in setup() or before ctx.batches()")
+        if any(spec.name == name for spec in self._judged):
+            raise KnobError(f"{name!r} is a knob of the controller's (it sets the straggler "
+                            "detector): change it with job.set, read it with ctx.knob("
+                            f"{name!r}); give your own knob another name")
         if name not in BUILTIN and default is None:
             raise KnobError(f"ctx.knobs.declare({name!r}, default, min=..., max=...) needs a "
                             "default value")
@@ -76,6 +89,15 @@ class RankKnobs:
     def load(self, wire: Mapping[str, Any]) -> None:
         """The job's knobs as the controller holds them (its applied history)."""
         self._given = [KnobChange.from_dict(c) for c in wire.get("history", ())]
+        self._judged = [KnobSpec.from_dict(d) for d in wire.get("judged", ())]
+
+    def provide(self, name: str, default: float, apply: Callable[[float], None], *,
+                min: float | None = None, max: float | None = None,
+                integer: bool = False) -> None:
+        """A built-in of the loop's own (``checkpoint_every``): ``apply`` is called with
+        its value whenever a change makes it move (and at the start when one has)."""
+        self._provided[name] = (KnobSpec(name=name, default=default, min=min, max=max,
+                                         builtin=True, integer=integer), apply)
 
     def bind(self, state: Mapping[str, Any]) -> None:
         """The tracked optimizers, before the restore (their LR is the built-ins' default)."""
@@ -93,8 +115,18 @@ class RankKnobs:
                                        max=hi if mx is None else mx, builtin=True)
             for opt in self._optimizers:
                 opt.register_step_pre_hook(self._clip)
+        for name, (spec, _) in self._provided.items():
+            d, mn, mx = self._declared.get(name, (None, None, None))
+            specs[name] = KnobSpec(name=name, default=spec.default if d is None else d,
+                                   min=spec.min if mn is None else mn,
+                                   max=spec.max if mx is None else mx, builtin=True,
+                                   integer=spec.integer)
         for name, (d, mn, mx) in self._declared.items():
             if name in BUILTIN:
+                if name == "checkpoint_every" and name not in specs:
+                    raise KnobError("knob 'checkpoint_every' sets the step interval of the "
+                                    "job's checkpoints, and this job has none: submit it with "
+                                    "a checkpoint directory (checkpoint=N or 'auto')")
                 if name not in specs:
                     raise KnobError(f"knob {name!r} acts on a tracked optimizer, and this job "
                                     "tracks none: ctx.track(optimizer=...) (or return it from "
@@ -102,16 +134,31 @@ class RankKnobs:
                 continue
             assert d is not None
             specs[name] = KnobSpec(name=name, default=d, min=mn, max=mx)
+        for spec in self._judged:  # the controller's: the same history, applied there
+            specs[spec.name] = spec
         self.specs = specs
 
-    def start(self, step: int, restored: Mapping[str, Any] | None) -> dict[str, Any]:
+    def start(self, step: int, restored: Mapping[str, Any] | None,
+              own: bool = False) -> dict[str, Any]:
         """The loop starts at ``step``: the values in force there (the controller's history;
         a ``resume=`` checkpoint's own when the controller has none), applied. Returns the
-        ``knobs`` event's fields."""
-        history = self._given
-        if not history and restored:  # a checkpoint from another run (resume=)
-            history = [KnobChange.from_dict(c) for c in restored.get("history", ())
-                       if c.get("step") is not None and int(c["step"]) <= step]
+        ``knobs`` event's fields.
+
+        ``own``: the checkpoint is this job's. Changes its history holds at steps up to
+        ``step`` that the controller's does not are ones the ranks applied while the
+        controller did not record it (it died before it journaled their ``knob_applied``):
+        the state restored was trained with them, so they are in force here too, at their
+        own steps, and listed in :attr:`recovered` for rank 0 to report again."""
+        history = list(self._given)
+        saved = [KnobChange.from_dict(c) for c in (restored or {}).get("history", ())
+                 if c.get("step") is not None and int(c["step"]) <= step]
+        known = {c.seq for c in history}
+        #: Applied changes the controller's history lacked (see above).
+        self.recovered = [c for c in saved if c.seq not in known] if own else []
+        if own:
+            history += self.recovered
+        elif not history:  # a checkpoint from another run (resume=)
+            history = saved
         self.history = sorted(history, key=lambda c: (c.step or 0, c.seq))
         self._started = True
         self._update(step, force=True)
@@ -169,6 +216,10 @@ class RankKnobs:
 
     def _set_builtin(self, name: str, value: float) -> None:
         self._applied[name] = value
+        provided = self._provided.get(name)
+        if provided is not None:
+            provided[1](value)
+            return
         for opt in self._optimizers:
             for group in opt.param_groups:
                 if name == "lr":
@@ -182,7 +233,5 @@ class RankKnobs:
     def _clip(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         limit = self._applied.get("grad_clip", 0.0)
         if limit > 0:
-            params = [p for g in optimizer.param_groups for p in g["params"]
-                      if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(params, limit)
+            clip_grad_norm([p for g in optimizer.param_groups for p in g["params"]], limit)
 

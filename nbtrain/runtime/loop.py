@@ -102,6 +102,9 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
         stepper.knobs, stepper.is_main = ctx.knobs, launch.rank == 0
         if ckpt is not None:
             ckpt.meta_hook = lambda: {"knobs": ctx.knobs.checkpoint_meta()}
+            # The interval of step-based checkpoints as a live knob (0: none by steps).
+            ctx.knobs.provide("checkpoint_every", float(ckpt.every_steps or 0),
+                              ckpt.set_every_steps, min=0.0, integer=True)
         driver = _Driver(ctx, stepper, ckpt, emitter, t0)
         ctx._driver = driver
         result: Any = None
@@ -189,11 +192,17 @@ class _Driver:
         ctx.step = step
         data = ctx.restored()
         restored = self.ckpt.restored_meta.get("knobs") if self.ckpt is not None else None
-        knobs = ctx.knobs.start(step, restored)  # after the LR rule: an absolute LR wins
+        own = self.ckpt is not None and self.ckpt.restored_own
+        knobs = ctx.knobs.start(step, restored, own)  # after the LR rule: an absolute LR wins
         self.stepper.control.knob_seq = max(self.stepper.control.knob_seq, ctx.knobs.seq)
         if ctx.rank == 0:
             self.emitter.emit("data", **data)
             self.emitter.emit("knobs", **knobs)
+            # Changes the checkpoint holds that the controller never recorded as applied:
+            # reported at their own steps, so they leave its pending list for the history.
+            for at in sorted({c.step for c in ctx.knobs.recovered if c.step is not None}):
+                self.emitter.emit("knob_applied", step=at, values=knobs["values"], changes=[
+                    c.to_dict() for c in ctx.knobs.recovered if c.step == at])
         self.emitter.emit("rank_started", host=ctx.host, pid=os.getpid(),
                           device=str(ctx.device), startup_s=time.perf_counter() - self.t0,
                           start_step=step, skipped=[f"step {s}: {why}" for s, why in skipped])

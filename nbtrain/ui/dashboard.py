@@ -29,6 +29,7 @@ import ipywidgets as widgets
 from nbtrain.ui.display import dashboard_hz, in_kernel, resolve_display
 from nbtrain.ui.eventlog import EventLog
 from nbtrain.ui.jobview import JobView
+from nbtrain.ui.knobinputs import KnobInputs
 from nbtrain.ui.panels import alerts_html, checkpoint_html, header_html
 from nbtrain.ui.plots import (
     PHASES,
@@ -141,6 +142,9 @@ class JobDashboard(widgets.VBox):
         self.resize_status = widgets.HTML()
         self.resize_box = widgets.HBox(self._build_resize())
         self.extras = widgets.VBox()
+        #: The live knobs: an input per declared knob, Apply sends ``job.set`` (None: the
+        #: view has no ``set``).
+        self.knob_inputs = self._build_knobs()
         self.fault_panel = self._build_fault_panel()
         #: The ranks' recent output, newest last, per rank (shown when there is any).
         self.logs_panel = widgets.HTML()
@@ -150,8 +154,10 @@ class JobDashboard(widgets.VBox):
         self.checkpoint_panel.layout = widgets.Layout(width="38%", margin="0 12px 0 0")
         self.alerts_panel.layout = widgets.Layout(width="60%")
         panels = widgets.HBox([self.checkpoint_panel, self.alerts_panel])
-        children: list[widgets.Widget] = [self.header, controls, self.resize_box, panels,
-                                          self.phase, self.plots]
+        children: list[widgets.Widget] = [self.header, controls, self.resize_box, panels]
+        if self.knob_inputs is not None:
+            children.append(self.knob_inputs)
+        children += [self.phase, self.plots]
         if self.fault_panel is not None:
             children.append(self.fault_panel)
         children += [self.logs_panel, self.extras]
@@ -177,6 +183,8 @@ class JobDashboard(widgets.VBox):
         for event in new_events:
             self.eventlog.add(event)
         self.knob_marks.add(new_events)
+        if self.knob_inputs is not None:
+            self.knob_inputs.update(new_events)
         if rows:
             self.rows_drawn += feed_plots(rows, (self.step_plot, self.split_plot, self.loss_plot,
                                                  self.rate_plot), self.marks,
@@ -301,6 +309,9 @@ class JobDashboard(widgets.VBox):
             disabled = not wanted.get(key, not terminal)
             if button.disabled != disabled:
                 button.disabled = disabled
+        if terminal and self.knob_inputs is not None:
+            self.knob_inputs.disable(f"the job has ended ({state}): its knobs can no longer "
+                                     "change")
         if self.resize_slider is not None:
             self._update_resize(why_not)
 
@@ -351,6 +362,12 @@ class JobDashboard(widgets.VBox):
         self.resize_slider = slider
         self.resize_status.add_class("nbtrain-resize-status")
         return [slider, button, self.resize_status]
+
+    def _build_knobs(self) -> KnobInputs | None:
+        set_knobs = getattr(self.job, "set", None)
+        if not callable(set_knobs):
+            return None
+        return KnobInputs(lambda values: set_knobs(wait=False, **values))
 
     def _build_fault_panel(self) -> widgets.Widget | None:
         inject = getattr(self.job, "inject", None)

@@ -67,13 +67,15 @@ class KnobPanel:
             name = str(spec.get("name"))
             lo, hi = spec.get("min"), spec.get("max")
             value = self.values.get(name, float(spec.get("default") or 0.0))
-            field = NumericInput(title=name, value=value, mode="float", low=lo, high=hi,
+            whole = bool(spec.get("integer"))  # a count of steps: whole numbers only
+            field = NumericInput(title=name, value=int(value) if whole else value,
+                                 mode="int" if whole else "float", low=lo, high=hi,
                                  width=130, name=f"nbtrain-knob-{name}")
             self.inputs[name] = field
             widgets: list[Any] = [field]
             if lo is not None and hi is not None and hi > lo:
                 slider = Slider(start=lo, end=hi, value=min(max(value, lo), hi),
-                                step=(hi - lo) / 100, title=name, width=200,
+                                step=1 if whole else (hi - lo) / 100, title=name, width=200,
                                 name=f"nbtrain-knob-slider-{name}")
                 slider.on_change("value", _follow(field))
                 self.sliders[name] = slider
