@@ -226,7 +226,7 @@ def _script_rank(work: ScriptWork, launch: RankLaunch, ctx: RankContext, store: 
 
     try:
         with OutputForwarder(emitter, lines_per_s=settings.log_lines_per_s) as out:
-            outcome = runner.run(out.stdout, out.stderr, started)
+            outcome = runner.run(out.stdout.write, out.stderr.write, started)
     finally:
         ctx.step = runner.steps
     emitter.emit("rank_finished", step=runner.steps, outcome=outcome)

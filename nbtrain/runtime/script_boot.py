@@ -11,6 +11,7 @@ import nbtrain (the child may not see the same ``sys.path`` as the worker).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
 import sys
@@ -46,10 +47,8 @@ def _install(fd: int) -> None:
         if id(opt) != state["first"]:
             return  # a second optimizer of the same step (a GAN's): its time counts as opt
         start = state["end"] if state["end"] is not None else state["pre"]
-        try:
+        with contextlib.suppress(OSError):  # the rank stopped reading: goes on unmeasured
             os.write(fd, f"{now - start:.9f} {state['opt']:.9f}\n".encode())
-        except OSError:  # the rank stopped reading: training goes on unmeasured
-            pass
         state["end"], state["opt"] = now, 0.0
 
     register_optimizer_step_pre_hook(pre)

@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -111,12 +111,12 @@ class ScriptRank:
             cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL, pass_fds=(step_fd,), start_new_session=True)
 
-    def _read(self, pipe: Any, into: Callable[[str], None]) -> None:
+    def _read(self, pipe: Any, into: Callable[[str], object]) -> None:
         for raw in iter(pipe.readline, b""):
             into(raw.decode("utf-8", errors="replace"))
         pipe.close()
 
-    def _reader(self, pipe: Any, into: Callable[[str], None]) -> None:
+    def _reader(self, pipe: Any, into: Callable[[str], object]) -> None:
         t = threading.Thread(target=self._read, args=(pipe, into), daemon=True,
                              name=f"nbtrain-script-{len(self._readers)}")
         t.start()
@@ -133,8 +133,10 @@ class ScriptRank:
                            0.0, opt_s])
 
     # -- supervision -----------------------------------------------------------------------
-    def run(self, stdout: TextIO, stderr: TextIO, on_started: Callable[[int], None]) -> str:
-        """Run the child to its end; the rank's outcome. Raises :class:`ScriptFailed`."""
+    def run(self, stdout: Callable[[str], object], stderr: Callable[[str], object],
+            on_started: Callable[[int], None]) -> str:
+        """Run the child to its end; the rank's outcome. Raises :class:`ScriptFailed`.
+        ``stdout``/``stderr`` take the child's output (the rank's streams' ``write``)."""
         own_store, port = self._children_store()
         read_fd, write_fd = os.pipe()
         try:
@@ -146,11 +148,11 @@ class ScriptRank:
                 on_started(self.proc.pid)
                 self._reader(os.fdopen(read_fd, "rb"), self._step_line)
                 read_fd = -1
-                self._reader(self.proc.stdout, stdout.write)
+                self._reader(self.proc.stdout, stdout)
 
                 def err(text: str) -> None:
                     self._tail.append(text)
-                    stderr.write(text)
+                    stderr(text)
 
                 self._reader(self.proc.stderr, err)
                 outcome = self._supervise(self.proc)
