@@ -12,7 +12,7 @@ import sys
 #: Subcommand -> (module whose ``main(argv) -> int`` runs it, help line).
 COMMANDS = {
     "demo": ("nbtrain.demo", "train a small model on an embedded local cluster"),
-    "run": ("nbtrain.run", "run a training function train(ctx, config) from a file or module"),
+    "run": ("nbtrain.run", "run a training function train(ctx, config) or a torchrun script"),
     "simulate": ("nbtrain.sim.cli", "replay a cluster trace through the gang scheduler"),
     "cluster": ("nbtrain.engine.standalone",
                 "run a local Dask cluster with nbtrain's controller that outlives notebooks"),

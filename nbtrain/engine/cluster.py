@@ -45,6 +45,7 @@ from nbtrain.engine.trackers import Tracker, TrackerSpec, split_trackers
 from nbtrain.engine.wire import plain, submission_to_wire
 from nbtrain.engine.workers import NbtrainWorker
 from nbtrain.runtime.function import TrainFunction
+from nbtrain.runtime.script_work import ScriptWork, load_script
 
 __all__ = ["QUIET_WORKER_CONFIG", "Cluster", "connect", "default_worker_count"]
 
@@ -320,6 +321,11 @@ class Cluster:
                                  f"runs {type(recipe).__name__}.step that many times")
             work: Any = recipe
             label = type(recipe).__name__
+        elif isinstance(recipe, ScriptWork):
+            if config is not None or steps is not None:
+                raise TypeError("config= and steps= are for training functions; a script "
+                                "takes its settings as args=[...] and runs its own loop")
+            work, label = recipe, recipe.name
         elif callable(recipe):
             work = TrainFunction(recipe, dict(config or {}))
             label = work.name
@@ -337,7 +343,8 @@ class Cluster:
                        fail_fast=fail_fast,
                        on_nonfinite=on_nonfinite, device=device,
                        mesh=dict(mesh) if mesh is not None else None,
-                       extra={"kind": "recipe" if is_recipe else "function"})
+                       extra={"kind": "recipe" if is_recipe else
+                              "script" if isinstance(work, ScriptWork) else "function"})
         parse_checkpoint_setting(spec.checkpoint)  # raises ValueError naming the fix
         payload = _pickle_recipe(work)
         mitigation = (stragglers if isinstance(stragglers, MitigationSettings)
@@ -377,6 +384,41 @@ class Cluster:
         if here:
             handle.track(*here)
         return handle
+
+    def submit_script(self, path: str | os.PathLike[str], *,
+                      args: Sequence[str] = (), world_size: int,
+                      env: Mapping[str, str] | None = None, cwd: str | None = None,
+                      **options: Any) -> JobHandle:
+        """Run an unmodified torchrun-style script on ``world_size`` ranks, as
+        ``torchrun --nnodes=N --nproc-per-node=1 path ARGS`` would.
+
+        The script's source is read here and sent with the job (workers need not see the
+        file). Each rank runs ``python -u SCRIPT *args`` in a child process of its worker with
+        the torchrun environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` 0,
+        ``MASTER_ADDR``/``MASTER_PORT`` of a store made for this generation's children,
+        ``TORCHELASTIC_RESTART_COUNT`` = generation) plus ``env``, in ``cwd`` (default: this
+        process's working directory) when the worker sees it, else in a temporary directory.
+
+        What a script gets, unchanged: gang scheduling, queueing, priorities and fair share
+        (``options`` are :meth:`submit`'s: ``name``, ``priority``, ``team``, ``queue``,
+        ``max_restarts``, ``restart_window_s``, ``device``, ``trackers``, ...); restarts on
+        failure like torchrun (a child that exits non-zero or dies fails its rank, with its
+        exit code and the end of its stderr in ``job.error``; the next generation runs the
+        script again, which resumes from its own snapshots if it writes them); its output
+        per rank in ``job.logs()`` and the notebook; per-rank step times in ``job.metrics``
+        (one row per step of its first optimizer, from torch's global optimizer hooks; data
+        wait and communication are counted as compute); stop and preemption by SIGTERM to
+        every child at once (a script that handles SIGTERM can snapshot and exit; SIGKILL
+        after 0.75 x ``Settings.preempt_grace_s``). What needs a training function with
+        ``ctx`` instead: exactly-once data (``ctx.batches``), bit-exact recovery, nbtrain's
+        checkpoints (``checkpoint=``, ``resume=``, ``job.checkpoint()``), live knobs, planned
+        faults and the per-phase straggler diagnosis (a script's rows have no data/comm split).
+        """
+        if "checkpoint" in options or "resume" in options or "faults" in options:
+            raise TypeError("checkpoint=, resume= and faults= need a training function with "
+                            "ctx; a script keeps its own snapshots (see the docstring)")
+        work = load_script(path, list(args), cwd=cwd, env=dict(env or {}))
+        return self.submit(work, world_size=world_size, checkpoint=None, **options)
 
     # -- lifecycle ------------------------------------------------------------------------
     def close(self) -> None:

@@ -70,6 +70,13 @@ class ControlChannel:
             for i, flag in enumerate(FLAGS[:-1]):
                 self._requested[i] = int(flags.get(flag, 0))
 
+    def requested(self) -> dict[str, int]:
+        """The flags as this rank knows them now (rank 0: as the controller last said; other
+        ranks: as at launch), before any agreement."""
+        with self._lock:
+            return dict(zip(FLAGS[:-1], (int(v) for v in self._requested.tolist()[:-1]),
+                            strict=True))
+
     def set_knobs(self, pending: Any) -> None:
         """The controller's pending knob changes (what rank 0's long-poll brought)."""
         if isinstance(pending, list | tuple):

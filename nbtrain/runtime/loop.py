@@ -27,6 +27,7 @@ from distributed import get_client, get_worker
 from distributed.comm import get_address_host
 
 from nbtrain.config import Settings
+from nbtrain.core.checkpoint_policy import PREEMPT_COMMIT_SHARE
 from nbtrain.runtime import nccl
 from nbtrain.runtime.checkpointing import RankCheckpointing
 from nbtrain.runtime.context import LoopEnded, RankContext
@@ -41,6 +42,8 @@ from nbtrain.runtime.mesh import build_device_mesh, default_plan
 from nbtrain.runtime.nvml import monitor_device
 from nbtrain.runtime.output import OutputForwarder
 from nbtrain.runtime.recipe import Recipe
+from nbtrain.runtime.script_rank import ScriptRank
+from nbtrain.runtime.script_work import ScriptWork
 from nbtrain.runtime.stepper import Stepper
 from nbtrain.runtime.torchrun_env import as_torchrun, torchrun_env
 
@@ -85,6 +88,8 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
         control.set_knobs(launch.knobs.get("pending", []))
         ctx.knobs.load(launch.knobs)
         work = cloudpickle.loads(launch.recipe)
+        if isinstance(work, ScriptWork):
+            return _script_rank(work, launch, ctx, store, emitter, control, threads, t0)
         if launch.checkpoint is not None:
             ckpt = RankCheckpointing(
                 launch.checkpoint, rank=launch.rank, world_size=launch.world_size,
@@ -207,6 +212,34 @@ class _Driver:
                           device=str(ctx.device), startup_s=time.perf_counter() - self.t0,
                           start_step=step, skipped=[f"step {s}: {why}" for s, why in skipped])
         return step
+
+
+def _script_rank(work: ScriptWork, launch: RankLaunch, ctx: RankContext, store: dist.TCPStore,
+                 emitter: EventEmitter, control: ControlChannel, threads: int,
+                 t0: float) -> dict[str, Any]:
+    """A script job's rank: the script in a child process (:mod:`~nbtrain.runtime.script_rank`);
+    nbtrain's checkpoints and step loop are not used (the script keeps its own snapshots)."""
+    settings = launch.settings
+    runner = ScriptRank(
+        work, rank=launch.rank, world_size=launch.world_size, host=ctx.host, store=store,
+        env=torchrun_env(rank=launch.rank, world_size=launch.world_size,
+                         master_addr=store.host, master_port=store.port,
+                         generation=launch.generation, run_id=launch.job_id),
+        emitter=emitter, control=control, interval_s=settings.control_interval_s,
+        term_grace_s=PREEMPT_COMMIT_SHARE * settings.preempt_grace_s,
+        rendezvous_timeout_s=settings.rendezvous_timeout_s, threads=threads)
+
+    def started(pid: int) -> None:  # pid: the child's, the process that runs user code
+        emitter.emit("rank_started", host=ctx.host, pid=pid, device=str(ctx.device),
+                     startup_s=time.perf_counter() - t0, start_step=0, skipped=[])
+
+    try:
+        with OutputForwarder(emitter, lines_per_s=settings.log_lines_per_s) as out:
+            outcome = runner.run(out.stdout.write, out.stderr.write, started)
+    finally:
+        ctx.step = runner.steps
+    emitter.emit("rank_finished", step=runner.steps, outcome=outcome)
+    return {"rank": launch.rank, "step": runner.steps, "outcome": outcome}
 
 
 def _recipe_loop(recipe: Recipe, ctx: RankContext, stepper: Stepper, driver: _Driver) -> str:
