@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 import nbtrain
@@ -89,14 +90,20 @@ def _script(tmp: Path) -> Path:
     return path
 
 
-def _reference(cluster: nbtrain.Cluster, tmp: Path, steps: int) -> dict[str, torch.Tensor]:
-    ref = tmp / "ref"
-    ref.mkdir()
-    job = cluster.submit_script(_script(tmp), world_size=2, name="script-ref", args=[
-        "--steps", str(steps), "--snapshot", str(ref / "snap.pt"), "--out",
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: nbtrain.Cluster, tmp_path_factory: pytest.TempPathFactory
+              ) -> tuple[nbtrain.JobHandle, dict[str, torch.Tensor]]:
+    """One uninterrupted run of the script (12 steps): the job, and its final parameters,
+    which the killed and the preempted runs must equal."""
+    ref = tmp_path_factory.mktemp("script-ref")
+    job = cluster.submit_script(_script(ref), world_size=2, name="script-ref", args=[
+        "--steps", str(STEPS), "--snapshot", str(ref / "snap.pt"), "--out",
         str(ref / "final.pt")])
     assert job.wait(120) is nbtrain.JobState.SUCCEEDED, job.error
-    return dict(torch.load(ref / "final.pt"))
+    return job, dict(torch.load(ref / "final.pt"))
 
 
 def _child_pid(job: nbtrain.JobHandle, rank: int, generation: int) -> int:
@@ -108,24 +115,21 @@ def _child_pid(job: nbtrain.JobHandle, rank: int, generation: int) -> int:
 
 
 def test_a_script_runs_with_its_output_and_one_step_row_per_optimizer_step(
-        free_cluster: nbtrain.Cluster, tmp_path: Path) -> None:
-    job = free_cluster.submit_script(_script(tmp_path), world_size=2, args=[
-        "--steps", "6", "--snapshot", str(tmp_path / "s.pt"), "--out", str(tmp_path / "f.pt")])
-    assert job.wait(120) is nbtrain.JobState.SUCCEEDED, job.error
+        reference: tuple[nbtrain.JobHandle, dict[str, torch.Tensor]]) -> None:
+    job, _ = reference
     logs = job.logs()
     assert "[rank 0 g0] rank 0 of 2 starts at step 0 restart 0" in logs
-    assert "[rank 1 g0] rank 1 done at step 6" in logs
+    assert f"[rank 1 g0] rank 1 done at step {STEPS}" in logs
     m = job.metrics
-    assert sorted(m.groupby("rank").size().to_dict().items()) == [(0, 6), (1, 6)]
-    assert sorted(m[m["rank"] == 1]["step"].tolist()) == [1, 2, 3, 4, 5, 6]
+    assert sorted(m.groupby("rank").size().to_dict().items()) == [(0, STEPS), (1, STEPS)]
+    assert sorted(m[m["rank"] == 1]["step"].tolist()) == list(range(1, STEPS + 1))
     assert (m["step_s"] > 0).all() and (m["opt_s"] > 0).all()
-    assert (tmp_path / "f.pt").exists()
 
 
 def test_a_killed_rank_recovers_from_the_scripts_own_snapshot_exactly(
-        free_cluster: nbtrain.Cluster, tmp_path: Path) -> None:
-    steps = 12
-    expected = _reference(free_cluster, tmp_path, steps)
+        free_cluster: nbtrain.Cluster, tmp_path: Path,
+        reference: tuple[nbtrain.JobHandle, dict[str, torch.Tensor]]) -> None:
+    steps, expected = STEPS, reference[1]
     snap = tmp_path / "snap.pt"
     job = free_cluster.submit_script(_script(tmp_path), world_size=2, name="script-kill", args=[
         "--steps", str(steps), "--every", "3", "--snapshot", str(snap),
@@ -143,9 +147,9 @@ def test_a_killed_rank_recovers_from_the_scripts_own_snapshot_exactly(
 
 
 def test_a_preempted_script_snapshots_on_sigterm_and_resumes(
-        free_cluster: nbtrain.Cluster, tmp_path: Path) -> None:
-    steps = 12
-    expected = _reference(free_cluster, tmp_path, steps)
+        free_cluster: nbtrain.Cluster, tmp_path: Path,
+        reference: tuple[nbtrain.JobHandle, dict[str, torch.Tensor]]) -> None:
+    steps, expected = STEPS, reference[1]
     snap = tmp_path / "snap.pt"
     job = free_cluster.submit_script(_script(tmp_path), world_size=2, name="script-preempt",
                                      args=["--steps", str(steps), "--every", "100",
