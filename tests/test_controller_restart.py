@@ -210,7 +210,7 @@ def test_kills_in_a_preemption_grace_period_and_right_after_a_shrink(tmp_path: P
         o.mkdir()
     with standalone_cluster(2, logs=tmp_path / "logs", supervise=True) as cc, \
             _connect(cc.address, tmp_path / "tokens.json") as c:
-        low = c.submit(Regression(out_dir=str(outs["low"]), step_sleep=0.2), world_size=2,
+        low = c.submit(Regression(out_dir=str(outs["low"]), step_sleep=0.1), world_size=2,
                        steps=40, checkpoint=None, name="low")
         wait_for(lambda: low.step >= 5, 180, "the low job training")
         high = c.submit(Regression(), world_size=2, steps=10, checkpoint=None, priority=5,

@@ -56,7 +56,8 @@ def test_unknown_policy_and_bad_thresholds_are_clear_errors(
 def test_replace_policy_moves_the_slow_rank_to_a_spare() -> None:
     from nbtrain.core.mitigation import MitigationSettings
 
-    policy = MitigationSettings(policy="replace", exclude="slot", cooldown_s=300)
+    # persist_s=5 (default 30): the replacement itself is what this checks, not the wait.
+    policy = MitigationSettings(policy="replace", exclude="slot", cooldown_s=300, persist_s=5)
     with nbtrain.connect(n_workers=3) as cluster:
         job = cluster.submit(Regression(step_sleep=0.01), world_size=2, steps=1_000_000,
                              checkpoint=None, stragglers=policy,

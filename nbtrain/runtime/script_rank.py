@@ -99,6 +99,11 @@ class ScriptRank:
 
     def _start(self, script: str, cwd: str, port: int, step_fd: int) -> subprocess.Popen[bytes]:
         env = dict(os.environ)
+        # Dask's nanny gives its workers MALLOC_TRIM_THRESHOLD_=65536, which makes every
+        # large tensor a fresh mmap (see engine/workers.tune_malloc); a user's torchrun
+        # script gets no such thing: the child gets glibc's defaults (unless the job's env
+        # sets it).
+        env.pop("MALLOC_TRIM_THRESHOLD_", None)
         env.update(self.env)
         env.update(self.work.env)
         env.update({"MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
