@@ -133,7 +133,9 @@ def _steer(job: nbtrain.JobHandle, steps: int, every: int, change: bool
     out: list[dict[str, Any]] = []
     _wait(lambda: job.step >= 1, 120, "the first step")
     mark, i = every, 0
-    while mark < steps - every // 2 and not job.done:
+    # The last change is asked a whole interval before the end: on a loaded machine the
+    # job could otherwise end before its ranks agree on it (job.set then raises).
+    while mark < steps - every and not job.done:
         _wait(lambda m=mark: job.step >= m or job.done, 120, f"step {mark}")
         if job.done:
             break
