@@ -27,7 +27,9 @@ def _run(cluster: nbtrain.Cluster, fn: Any, out: Path, *, kill: bool) -> nbtrain
     assert job.wait(300) is JobState.SUCCEEDED, job.error
     if kill:
         [fault] = job.faults
-        assert fault["what"] == "worker died" and fault["resume_step"] == 4, job.faults
+        # From step 4's checkpoint, or from the start when its commit (asynchronous) was still
+        # in flight at the kill (a loaded machine): exact either way.
+        assert fault["what"] == "worker died" and fault["resume_step"] in (0, 4), job.faults
     return job
 
 
