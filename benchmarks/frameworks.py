@@ -29,18 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from _peers import PeerAttempt, PeerResult, peer_figures, ratio, run_peer
+from overhead import PLAIN_ENV, steady_rate  # the environment before connect(), rates
 
 import nbtrain
 from nbtrain.framework_examples import accelerate_train, fabric_train, hf_trainer_train
 
 HERE = Path(__file__).resolve().parent
 N_EMBD = 128  # wide enough that a step is compute, not Python overhead
-PLAIN_ENV = dict(__import__("os").environ)  # before connect(): what a user's torchrun gets
-
-
-def steady_rate(times: list[float]) -> float:
-    t = times[len(times) // 4:]
-    return (len(t) - 1) / (t[-1] - t[0])
 
 
 def run_nbtrain_hf(cluster: nbtrain.Cluster, steps: int, work: Path) -> float:
@@ -49,14 +44,20 @@ def run_nbtrain_hf(cluster: nbtrain.Cluster, steps: int, work: Path) -> float:
     return steady_rate(job.result(timeout=600)["step_times"])
 
 
-def run_torchrun_hf(steps: int, attempt: PeerAttempt) -> float:
+def run_torchrun(script: str, args: list[str], what: str, attempt: PeerAttempt) -> float:
+    """One attempt of a torchrun peer (``--nproc-per-node 2``): rank 0's steady rate, from
+    the step times the script writes to ``--out``."""
     out = attempt.workdir / "times.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--standalone", str(HERE / "_hf_torchrun_peer.py"), "--steps", str(steps),
-           "--out", str(out), "--work", str(attempt.workdir), "--n-embd", str(N_EMBD)]
-    attempt.run(cmd, env=dict(PLAIN_ENV, OMP_NUM_THREADS="1"), timeout=600,
-                what="HF Trainer under torchrun")
+           "--standalone", str(HERE / script), *args, "--out", str(out)]
+    attempt.run(cmd, env=dict(PLAIN_ENV, OMP_NUM_THREADS="1"), timeout=600, what=what)
     return steady_rate(json.loads(out.read_text()))
+
+
+def run_torchrun_hf(steps: int, attempt: PeerAttempt) -> float:
+    return run_torchrun("_hf_torchrun_peer.py", ["--steps", str(steps), "--work",
+                        str(attempt.workdir), "--n-embd", str(N_EMBD)],
+                        "HF Trainer under torchrun", attempt)
 
 
 def run_nbtrain_script(cluster: nbtrain.Cluster, steps: int, work: Path) -> float:
@@ -70,13 +71,8 @@ def run_nbtrain_script(cluster: nbtrain.Cluster, steps: int, work: Path) -> floa
 
 
 def run_torchrun_script(steps: int, attempt: PeerAttempt) -> float:
-    out = attempt.workdir / "times.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--standalone", str(HERE / "_torchrun_peer.py"), "--steps", str(steps),
-           "--out", str(out)]
-    attempt.run(cmd, env=dict(PLAIN_ENV, OMP_NUM_THREADS="1"), timeout=600,
-                what="the script under torchrun")
-    return steady_rate(json.loads(out.read_text()))
+    return run_torchrun("_torchrun_peer.py", ["--steps", str(steps)],
+                        "the script under torchrun", attempt)
 
 
 def script_recovers(cluster: nbtrain.Cluster, work: Path) -> bool:
