@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from nbtrain.core.faults import Fault
-from nbtrain.core.job import JobSpec
+from nbtrain.core.job import JobSpec, JobState, user_actions
 from nbtrain.core.lifecycle import JobMachine
 from nbtrain.core.lifecycle_types import (
     Cancel,
@@ -276,6 +276,61 @@ def test_user_preempt_then_resume() -> None:
     assert h.launches("b")
     h.feed(request_from_wire, "a", "resume")
     assert h.state("a") == "QUEUED" and h.reason("a").startswith("resuming: ")
+
+
+def test_the_machine_owns_the_generations_control_flags_and_their_version() -> None:
+    h = Harness()
+    launch = run_to_running(h)
+    held = h.m.control("a")
+    assert held is not None and held.generation == launch.generation and held.version == 0
+    assert held.flags == dict(launch.control)
+    h.feed(request_from_wire, "a", "checkpoint")
+    h.feed(request_from_wire, "a", "preempt")
+    held = h.m.control("a")
+    assert held is not None and held.version == 2  # each change a new version to long-poll
+    assert held.flags["preempt"] == 1 and held.flags["checkpoint"] == 1
+    assert held.flags == dict(h.of(SetControl)[-1].flags)
+    h.exit("a", 0, 0, "preempted", 40)
+    h.exit("a", 0, 1, "preempted", 40)
+    assert h.m.control("a") is None  # no live generation: its rank 0's poll hears "ended"
+    assert h.m.control("nope") is None
+
+
+def _job_in(state: str) -> tuple[Harness, str]:
+    """A harness with a job in ``state``, and that job's id."""
+    h = Harness(workers=2)
+    h.submit("a", max_restarts=0)
+    if state == "QUEUED":
+        h.submit("b")  # b waits behind a
+        return h, "b"
+    if state == "FAILED":
+        h.fail("a", 0, 0)
+        h.fail("a", 0, 1, peer=True)
+        return h, "a"
+    if state != "STARTING":
+        h.steps("a", 0, 5)
+    if state in ("STOPPING", "PREEMPTED"):
+        h.feed(request_from_wire, "a", "preempt")
+    if state == "CANCELLED":
+        h.feed(request_from_wire, "a", "stop")
+    if state in ("PREEMPTED", "SUCCEEDED", "CANCELLED"):
+        outcome = {"PREEMPTED": "preempted", "SUCCEEDED": "completed"}.get(state, "stopped")
+        for rank in (0, 1):
+            h.exit("a", 0, rank, outcome, 5 if outcome != "completed" else 1000)
+    return h, "a"
+
+
+@pytest.mark.parametrize("state", [s.value for s in JobState])
+def test_resume_is_judged_by_the_rule_the_buttons_read(state: str) -> None:
+    """Every state: the machine refuses ``resume`` exactly where ``user_actions`` (what the
+    widget and the served page enable their Resume button by) says no."""
+    h, job = _job_in(state)
+    assert h.state(job) == state
+    out = h.feed(request_from_wire, job, "resume")
+    refused = [c for c in h.of(Rejected, out) if "only a PREEMPTED job can resume" in c.reason]
+    assert bool(refused) is not user_actions(state)["resume"]
+    if not refused:
+        assert h.state(job) in ("QUEUED", "STARTING")  # resumed: queued, or started at once
 
 
 def test_stop_during_user_preempt_cancels() -> None:

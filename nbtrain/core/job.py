@@ -39,6 +39,21 @@ class JobState(str, enum.Enum):
         return other in TRANSITIONS[self]
 
 
+def user_actions(state: str) -> dict[str, bool]:
+    """Which of a user's requests a job in ``state`` (a ``JobState`` value, or ``"UNKNOWN"``)
+    acts on: the rule the job machine judges requests by and every view's buttons follow.
+    ``stop`` until the job ends; ``preempt`` while it holds slots and is not already stopping;
+    ``resume`` only PREEMPTED; ``checkpoint`` and ``inject`` (a fault) while RUNNING;
+    ``resize`` (an elastic job's size) until it ends, except while STOPPING."""
+    ended = state not in _LIVE
+    return {"stop": not ended, "preempt": state in ("STARTING", "RUNNING"),
+            "resume": state == "PREEMPTED", "checkpoint": state == "RUNNING",
+            "inject": state == "RUNNING", "resize": not ended and state != "STOPPING"}
+
+
+_LIVE = frozenset(s.value for s in JobState if not s.terminal)
+
+
 class TransitionError(RuntimeError):
     """The job machine tried a move ``TRANSITIONS`` does not allow: a bug in the machine."""
 

@@ -28,7 +28,7 @@ from nbtrain.core.explain import (
     resume_rejected,
 )
 from nbtrain.core.faults import Fault
-from nbtrain.core.job import JobState
+from nbtrain.core.job import JobState, user_actions
 from nbtrain.core.jobevents import preemption_event, resize_event, uncommitted_event
 from nbtrain.core.jobrecord import CONTROLLER_RESTARTED, Generation, LiveJob, Preemption
 from nbtrain.core.lifecycle_types import CarriedHistory, Deliver, Rejected
@@ -268,12 +268,12 @@ def _resume(job: LiveJob, now: float, scheduled: bool, out: Outbox) -> Next:
         job.queue_note = "resuming"
         out.set_state(job, JobState.QUEUED, "resuming: waiting for slots")
         return Admit()
-    if job.state is JobState.PREEMPTED and scheduled:
+    if not user_actions(job.state.value)["resume"]:
+        out.add(Rejected(job.id, resume_rejected(job.name, job.state)))
+    elif scheduled:
         job.queue_note = "resuming"
         out.set_state(job, JobState.QUEUED, "resuming: waiting for slots")
         return Resume(now, job.id)
-    if job.state is not JobState.PREEMPTED:
-        out.add(Rejected(job.id, resume_rejected(job.name, job.state)))
     return None
 
 

@@ -48,6 +48,9 @@ class Generation:
     addresses: tuple[str, ...]  # their workers at launch
     watch: GenerationWatch  # the hang and startup watchdog's view of it (and when it started)
     control: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CONTROL_FLAGS, 0))
+    #: Bumped at each change of ``control`` or of the pending knobs: rank 0's long poll of the
+    #: flags waits for a version other than the one it holds (0: as launched).
+    control_version: int = 0
     outcomes: dict[int, dict[str, Any]] = field(default_factory=dict)
     failures: dict[int, RankFailureInfo] = field(default_factory=dict)
     failed_at: float | None = None  # monotonic time of the first failure
@@ -73,6 +76,17 @@ class Generation:
     def unfinished(self) -> tuple[int, ...]:
         return tuple(r for r in range(self.size)
                      if r not in self.outcomes and r not in self.failures)
+
+
+@dataclass(frozen=True)
+class GenerationControl:
+    """What rank 0 of the job's live generation long-polls: its control flags and pending
+    knob changes (``core.knobs.KnobChange.to_dict()``), at ``version``."""
+
+    generation: int
+    version: int
+    flags: dict[str, int]
+    knobs: tuple[dict[str, Any], ...]
 
 
 @dataclass(frozen=True)
@@ -267,6 +281,14 @@ class LiveJob:
     def public_faults(self) -> tuple[dict[str, Any], ...]:
         return tuple({k: v for k, v in f.items() if not k.startswith("_")}
                      for f in self.fault_log)
+
+    def control(self) -> GenerationControl | None:
+        """The live generation's control (None between generations)."""
+        gen = self.gen
+        if gen is None:
+            return None
+        return GenerationControl(gen.number, gen.control_version, dict(gen.control),
+                                 tuple(c.to_dict() for c in self.knobs.pending))
 
     def status(self, now: float, addresses: tuple[str, ...]) -> JobStatus:
         return JobStatus(

@@ -59,7 +59,7 @@ from nbtrain.core.invariants import machine_problems
 from nbtrain.core.inventory import WorkerInfo
 from nbtrain.core.job import JobState
 from nbtrain.core.jobevents import resize_event, slow_event, state_event
-from nbtrain.core.jobrecord import Generation, JobStatus, LiveJob
+from nbtrain.core.jobrecord import Generation, GenerationControl, JobStatus, LiveJob
 from nbtrain.core.lifecycle_types import (
     AbortCollectives,
     Cancel,
@@ -174,6 +174,11 @@ class JobMachine:
         """Snapshot of one job; ``KeyError`` for an unknown (or forgotten) id."""
         job = self._jobs[job_id]
         return job.status(self.now, self._addresses(job))
+
+    def control(self, job_id: str) -> GenerationControl | None:
+        """The job's live generation's control flags (None: no live generation, or unknown)."""
+        job = self._jobs.get(job_id)
+        return None if job is None else job.control()
 
     def job_ids(self) -> list[str]:
         """Known jobs in submit order."""

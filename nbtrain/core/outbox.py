@@ -72,5 +72,6 @@ class Outbox:
         if gen is None:
             return
         gen.control.update(flags)
+        gen.control_version += 1
         self.commands.append(SetControl(job.id, gen.number, dict(gen.control),
                                         tuple(c.to_dict() for c in job.knobs.pending)))

@@ -46,8 +46,6 @@ class JobAssets:
     log: JobLog
     futures: dict[int, dict[int, Future]] = field(default_factory=dict)  # gen -> rank -> future
     rendezvous: dict[int, dict[str, Any]] = field(default_factory=dict)  # gen -> host, port
-    control: dict[str, Any] = field(default_factory=dict)  # generation, version, flags
-    last_ended: int = -1  # the newest generation that has ended
     result: bytes | None = None  # a training function's return value on rank 0, pickled
     result_error: str | None = None
     trackers: TrackerSink | None = None  # TensorBoard / MLflow, fed from here

@@ -404,19 +404,10 @@ class ClusterController(SchedulerPlugin):
             if c.job_id in self.assets:
                 self._job_ended(c.job_id)
         elif isinstance(c, Launch):
-            # Before the launch task runs, so a request that follows at once is not lost.
-            self.assets[c.job_id].control = {
-                "generation": c.generation, "version": 0, "flags": dict(c.control),
-                "knobs": list(c.knobs.get("pending", ()))}
             self.seals.open(c.job_id, c.generation, secrets.token_hex(16))
             self._spawn(self._launch(c))
         elif isinstance(c, SetControl):
-            held = self.assets.get(c.job_id)
-            if held is not None:
-                version = int(held.control.get("version", 0)) + 1
-                held.control = {"generation": c.generation, "version": version,
-                                "flags": dict(c.flags), "knobs": [dict(k) for k in c.knobs]}
-                self._wake_control()
+            self._wake_control()  # the machine holds the flags: control_state reads them
         elif isinstance(c, EndGeneration):
             self._end_generation(c.job_id, c.generation)
         elif isinstance(c, Cancel):
@@ -573,7 +564,8 @@ class ClusterController(SchedulerPlugin):
         # controller numbers its generations above it (the fence against stale ranks).
         await self.journaled()
         assets = self.assets.get(c.job_id)
-        if assets is None or c.generation <= assets.last_ended:
+        live = self.machine.control(c.job_id)
+        if assets is None or live is None or live.generation != c.generation:
             return  # the generation ended (a stop, a lost worker) before it was launched
         spec = assets.spec
         hosts = [self.scheduler.workers[a].host if a in self.scheduler.workers else a
@@ -647,16 +639,12 @@ class ClusterController(SchedulerPlugin):
         assets = self.assets.get(job_id)
         if assets is None:
             return
-        assets.last_ended = max(assets.last_ended, generation)
         self.seals.close(job_id, generation - 1)  # its own stays open for late messages
         for fut in assets.futures.pop(generation, {}).values():
             with contextlib.suppress(Exception):
                 fut.release()
         assets.rendezvous.pop(generation, None)
-        if assets.control.get("generation") == generation:
-            assets.control = {"generation": generation, "version": -1, "flags": {},
-                              "ended": True}
-        self._wake_control()
+        self._wake_control()  # its rank 0's long poll: the machine has no such generation now
         self.wake_rendezvous()
 
     async def _diagnose(self, job_id: str, generation: int) -> None:
@@ -815,11 +803,14 @@ class ClusterController(SchedulerPlugin):
         return self.seals.secret(job_id, generation)
 
     def control_state(self, job_id: str) -> Mapping[str, Any]:
-        """The control flags of the job's current generation as its rank 0 reads them:
-        ``gen``, ``version``, ``flags``, ``knobs`` (``ended`` once it ended); empty for an
-        unknown job."""
-        assets = self.assets.get(job_id)
-        return assets.control if assets is not None else {}
+        """The control flags of the job's live generation as its rank 0 reads them (the
+        machine's): ``generation``, ``version``, ``flags``, ``knobs``; empty when the job has
+        no live generation (or is unknown)."""
+        live = self.machine.control(job_id)
+        if live is None:
+            return {}
+        return {"generation": live.generation, "version": live.version, "flags": live.flags,
+                "knobs": list(live.knobs)}
 
 
 def _label(event: Event) -> str:

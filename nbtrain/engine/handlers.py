@@ -542,7 +542,7 @@ async def control(ctl: ControllerPort, *, job_id: str, generation: int, version:
     deadline = loop.time() + timeout
     while True:
         state = ctl.control_state(job_id)
-        if not state or state.get("ended") or state.get("generation") != generation:
+        if not state or state.get("generation") != generation:
             return {"ended": True, "version": -1, "flags": {}}
         if int(state.get("version", 0)) != version:
             return {"ended": False, "version": state["version"], "flags": state["flags"],

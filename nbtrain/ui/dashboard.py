@@ -26,6 +26,7 @@ from typing import Any, TextIO
 
 import ipywidgets as widgets
 
+from nbtrain.core.job import user_actions
 from nbtrain.ui.display import dashboard_hz, in_kernel, resolve_display
 from nbtrain.ui.eventlog import EventLog
 from nbtrain.ui.jobview import JobView
@@ -299,12 +300,9 @@ class JobDashboard(widgets.VBox):
     def _update_controls(self) -> None:
         state = self.job.status.value
         terminal = self.job.status.terminal
-        holds = state in ("STARTING", "RUNNING")
-        wanted = {"stop": not terminal, "preempt": holds, "resume": state == "PREEMPTED",
-                  "checkpoint": state == "RUNNING", "inject": state == "RUNNING",
-                  "resize": not terminal}
+        wanted = user_actions(state)
         why_not = self._resize_blocked(state)
-        wanted["resize"] = not why_not
+        wanted["resize"] = not why_not  # user_actions' rule, and the job must be elastic
         for key, button in self.buttons.items():
             disabled = not wanted.get(key, not terminal)
             if button.disabled != disabled:

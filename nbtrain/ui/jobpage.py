@@ -20,6 +20,7 @@ from bokeh.models.widgets.groups import RadioButtonGroup
 from bokeh.models.widgets.markups import Div
 from bokeh.models.widgets.sliders import Slider
 
+from nbtrain.core.job import user_actions
 from nbtrain.ui.eventlog import EventLog
 from nbtrain.ui.knobpanel import KnobPanel
 from nbtrain.ui.panels import alerts_html, checkpoint_html, header_html
@@ -140,13 +141,9 @@ class JobPage:
         self._update_controls(self.feed.status())
 
     def _update_controls(self, status: Mapping[str, Any]) -> None:
-        state = str(status.get("state", ""))
-        terminal = state in ("SUCCEEDED", "FAILED", "CANCELLED", "UNKNOWN")
-        wanted = {"stop": not terminal, "preempt": state in ("STARTING", "RUNNING"),
-                  "resume": state == "PREEMPTED", "checkpoint": state == "RUNNING",
-                  "resize": not terminal and state != "STOPPING"}
+        wanted = user_actions(str(status.get("state", "")))
         for what, button in self.buttons.items():
-            disabled = not wanted.get(what, not terminal)
+            disabled = not wanted.get(what, wanted["stop"])
             if button.disabled != disabled:
                 button.disabled = disabled
         if self.slider is not None:
