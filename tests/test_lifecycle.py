@@ -278,6 +278,21 @@ def test_user_preempt_then_resume() -> None:
     assert h.state("a") == "QUEUED" and h.reason("a").startswith("resuming: ")
 
 
+def test_what_a_worker_said_of_its_device_is_in_its_slot_view_after_a_rejoin_too() -> None:
+    h = Harness(workers=0)
+    about = (("gpu_name", "NVIDIA H100"), ("pci_bus_id", "00000000:5d:00.0"))
+    h.feed(WorkerJoined, "tcp://h0:1", "h0", "w0", "", "", "GPU-1", about=about)
+    view = h.m.slots()[0]
+    assert view["gpu_name"] == "NVIDIA H100" and view["pci_bus_id"] == "00000000:5d:00.0"
+    assert view["slot"] == "h0#0" and view["device"] == "gpu"
+    h.feed(WorkerLeft, "tcp://h0:1")
+    h.feed(WorkerJoined, "tcp://h0:2", "h0", "w0", "", "", "GPU-1",
+           about=(("gpu_name", "NVIDIA H100"), ("gpu_note", "restarted")))
+    [view] = h.m.slots()
+    assert view["address"] == "tcp://h0:2" and view["gpu_note"] == "restarted"
+    assert "pci_bus_id" not in view  # what the new worker said, not the old one's
+
+
 def test_the_machine_owns_the_generations_control_flags_and_their_version() -> None:
     h = Harness()
     launch = run_to_running(h)

@@ -31,6 +31,7 @@ class WorkerInfo:
     nvlink: str = ""  # NVLink domain label; "" = the whole host
     leaf: str = ""  # leaf switch label; "" = one shared leaf
     gpu: str = ""  # the UUID of the GPU it runs on; "" = a CPU worker
+    about: tuple[tuple[str, str], ...] = ()  # more of what it reported, for the views
 
     def __post_init__(self) -> None:
         if not self.address or not self.host:
@@ -46,6 +47,7 @@ class SlotRecord:
     name: str
     address: str | None  # None while offline
     gpu: str = ""  # the GPU's UUID; "" = a CPU slot
+    about: tuple[tuple[str, str], ...] = ()  # what its worker reported besides, for the views
 
 
 class Inventory:
@@ -68,12 +70,13 @@ class Inventory:
             record = (named or sorted(offline, key=lambda r: _ordinal(r.slot)))[0]
             record.address = worker.address
             record.name = worker.name
+            record.about = worker.about
         else:
             n = self._per_host.get(worker.host, 0)
             self._per_host[worker.host] = n + 1
             record = SlotRecord(slot=f"{worker.host}#{n}", host=worker.host, nvlink=worker.nvlink,
                                 leaf=worker.leaf, name=worker.name, address=worker.address,
-                                gpu=worker.gpu)
+                                gpu=worker.gpu, about=worker.about)
             self._slots[record.slot] = record
         self._by_address[worker.address] = record.slot
         return record

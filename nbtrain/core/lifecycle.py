@@ -421,7 +421,8 @@ class JobMachine:
                 reason=gpu_shared_reason(ev.gpu, str(sharing.address), sharing.slot)))
             return
         rec = self.book.join(WorkerInfo(address=ev.address, host=ev.host, name=ev.name,
-                                        nvlink=ev.nvlink, leaf=ev.leaf, gpu=ev.gpu))
+                                        nvlink=ev.nvlink, leaf=ev.leaf, gpu=ev.gpu,
+                                        about=ev.about))
         self._out.publish_cluster(ce.worker_joined_event(slot=rec.slot, address=ev.address,
                                                       host=rec.host))
         first = self.sched is None

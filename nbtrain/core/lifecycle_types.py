@@ -184,6 +184,9 @@ class WorkerJoined:
     nvlink: str = ""
     leaf: str = ""
     gpu: str = ""  # the UUID of the worker's GPU; "" = a CPU worker
+    #: What else the worker said of its device, for the views (its GPU's name and PCI bus,
+    #: where its NVLink label came from): (key, value) pairs.
+    about: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

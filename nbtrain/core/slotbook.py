@@ -26,7 +26,8 @@ __all__ = ["SlotBook", "SlotView"]
 class SlotView(dict[str, Any]):
     """A slot for display: ``slot``, ``host``, ``nvlink``, ``leaf``, ``address`` (None while
     offline), ``state`` (free / held / restarting / offline), ``job`` (the holder's id),
-    ``device`` (``gpu`` or ``cpu``) and ``gpu`` (its GPU's UUID, "" for a CPU slot)."""
+    ``device`` (``gpu`` or ``cpu``) and ``gpu`` (its GPU's UUID, "" for a CPU slot), and what
+    else its worker reported of its device (``gpu_name``, ``pci_bus_id``, ...)."""
 
 
 class SlotBook:
@@ -154,7 +155,8 @@ class SlotBook:
                 state = "offline"
             else:
                 state = "held" if holder is not None else "free"
-            out.append(SlotView(slot=rec.slot, host=rec.host, nvlink=rec.nvlink or rec.host,
-                                leaf=rec.leaf, address=rec.address, state=state, job=holder,
+            out.append(SlotView(dict(rec.about), slot=rec.slot, host=rec.host,
+                                nvlink=rec.nvlink or rec.host, leaf=rec.leaf,
+                                address=rec.address, state=state, job=holder,
                                 device=GPU if rec.gpu else CPU, gpu=rec.gpu))
         return out

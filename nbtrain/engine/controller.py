@@ -152,7 +152,6 @@ class ClusterController(SchedulerPlugin):
         self._control_news = asyncio.Event()
         self._rdzv_news = asyncio.Event()
         self._pending_workers: set[str] = set()
-        self.worker_labels: dict[str, dict[str, str]] = {}  # address -> what it reported
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
         self._loop = asyncio.get_running_loop()
@@ -494,7 +493,6 @@ class ClusterController(SchedulerPlugin):
     def remove_worker(self, scheduler: Any, worker: str, *, stimulus_id: str = "",
                       **kwargs: Any) -> None:
         # feed() never raises; nothing else here can.
-        self.worker_labels.pop(worker, None)
         if worker in self._pending_workers:
             self._pending_workers.discard(worker)
             return
@@ -503,7 +501,7 @@ class ClusterController(SchedulerPlugin):
 
     async def _admit_worker(self, address: str) -> None:
         """Read the worker's labels, then offer it as a slot."""
-        from nbtrain.engine.workers import worker_labels
+        from nbtrain.engine.workers import SLOT_ABOUT, worker_labels
 
         client = await self.client()
         try:
@@ -525,10 +523,11 @@ class ClusterController(SchedulerPlugin):
             self.wake()
             return
         now, wall = self.now()
-        self.worker_labels[address] = {str(k): str(v) for k, v in labels.items()}
+        about = tuple((k, str(labels[k])) for k in SLOT_ABOUT if k in labels)
         self.put(WorkerJoined(now, wall, address, str(labels.get("host") or ws.host),
                                str(ws.name), str(labels.get("nvlink", "")),
-                               str(labels.get("leaf", "")), str(labels.get("gpu", ""))))
+                               str(labels.get("leaf", "")), str(labels.get("gpu", "")),
+                               about=about))
 
     async def _restart(self, addresses: tuple[str, ...], reason: str) -> None:
         results: Any

@@ -458,7 +458,7 @@ def cluster_snapshot(ctl: ControllerPort, log_from: int = 0, token: str = "",
     """Slots, queue, jobs (as the caller may see them), team usage and the cluster's log
     (what ``Cluster.snapshot()`` and the class view show)."""
     at, log = ctl.cluster_log.since(log_from, 1_000)
-    return {"slots": [_with_labels(ctl, s) for s in ctl.slots()], "queue": ctl.queue(),
+    return {"slots": ctl.slots(), "queue": ctl.queue(),
             "pending_workers": ctl.pending_workers,
             "jobs": _listing(ctl, token, tokens),
             "team_usage": ctl.team_usage(),
@@ -483,15 +483,6 @@ async def view(ctl: ControllerPort, *, job_id: str | None = None,
         ticket = ""
     return {"path": page_path(PAGE_JOB, job=job_id, ticket=ticket), "served": served,
             "controls": bool(ticket)}
-
-
-def _with_labels(ctl: ControllerPort, slot: Mapping[str, Any]) -> dict[str, Any]:
-    """A slot as the machine sees it, plus what its worker reported about its GPU."""
-    out = dict(slot)
-    labels = ctl.worker_labels.get(str(slot.get("address")), {})
-    out.update({k: labels[k] for k in ("pci_bus_id", "gpu_name", "nvlink_source", "gpu_note")
-                if k in labels})
-    return out
 
 
 # ====================================================================== ranks

@@ -36,7 +36,6 @@ class ControllerPort(Protocol):
     cluster_log: Tail
     pages: str  # how the scheduler serves the pages: "dashboard", "attached" or "none"
     #: What each worker reported when it joined (its GPU), by address.
-    worker_labels: dict[str, dict[str, str]]
 
     # -- jobs
     def job_ids(self) -> list[str]: ...

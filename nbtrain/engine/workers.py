@@ -19,7 +19,11 @@ from nbtrain.config import Settings
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NbtrainWorker", "worker_labels"]
+__all__ = ["SLOT_ABOUT", "NbtrainWorker", "worker_labels"]
+
+#: What the views show of a worker's labels besides its place (host, NVLink domain, leaf,
+#: GPU): they travel into the machine's slot records with the worker's join.
+SLOT_ABOUT = ("pci_bus_id", "gpu_name", "nvlink_source", "gpu_note")
 
 #: Period of Dask's statistical profiler on quiet workers: a day, i.e. off (default 10 ms).
 QUIET_PROFILE_MS = 86_400_000
