@@ -17,7 +17,6 @@ the workers with Dask's own API (see the README's threat model).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import secrets
 from collections.abc import Awaitable, Callable, Mapping
@@ -29,7 +28,7 @@ from nbtrain.core.job import JobState
 from nbtrain.core.jobevents import state_event
 from nbtrain.core.lifecycle_types import Rejected, Submitted
 from nbtrain.core.machine_events import REQUEST_KINDS, request_from_wire
-from nbtrain.core.rankseal import secret_matches
+from nbtrain.engine import rank_handlers
 from nbtrain.engine.access import (
     Role,
     may_read_metrics,
@@ -74,8 +73,8 @@ def install(ctl: ControllerPort, scheduler: Any) -> None:
         "nbtrain_cluster": functools.partial(cluster, ctl),
         "nbtrain_view": functools.partial(view, ctl),
         "nbtrain_result": functools.partial(result, ctl),
-        "nbtrain_rendezvous": functools.partial(rendezvous, ctl),
-        "nbtrain_control": functools.partial(control, ctl),
+        "nbtrain_rendezvous": functools.partial(rank_handlers.rendezvous, ctl),
+        "nbtrain_control": functools.partial(rank_handlers.control, ctl),
     }
     for name, fn in table.items():
         scheduler.handlers[name] = _replying(fn)
@@ -485,67 +484,6 @@ async def view(ctl: ControllerPort, *, job_id: str | None = None,
             "controls": bool(ticket)}
 
 
-# ====================================================================== ranks
-async def rendezvous(ctl: ControllerPort, *, job_id: str, generation: int, rank: int,
-                     host: str | None = None, port: int | None = None,
-                     timeout: float = 60.0, secret: str = "") -> dict[str, Any]:
-    """Rank 0 publishes its store's address; the other ranks wait for it. Only the
-    generation's own ranks (they show its secret) take part."""
-    assets = ctl.assets.get(job_id)
-    if assets is None:
-        raise LookupError(f"no job {job_id!r}")
-    expected = ctl.rank_secret(job_id, generation)
-    if not expected:
-        raise LookupError(f"generation {generation} of job {job_id} is not running")
-    if not secret_matches(secret, expected):
-        raise PermissionError(f"the rendezvous of job {job_id} generation {generation} is for "
-                              "that generation's ranks only (the secret they were launched "
-                              "with does not match)")
-    timeout = min(float(timeout), 3600.0)
-    if rank == 0:
-        assets.rendezvous[generation] = {"host": host, "port": port}
-        ctl.wake_rendezvous()
-        return {"host": host, "port": port}
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while generation not in assets.rendezvous:
-        if generation < _current_generation(ctl, job_id):
-            raise LookupError(f"generation {generation} of job {job_id} has ended")
-        remaining = deadline - loop.time()
-        if remaining <= 0:
-            raise LookupError(f"rank 0 of job {job_id} generation {generation} did not publish "
-                              f"its rendezvous within {timeout:.0f} s")
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ctl.rendezvous_news.wait(), remaining)
-    return dict(assets.rendezvous[generation])
-
-
-async def control(ctl: ControllerPort, *, job_id: str, generation: int, version: int,
-                  timeout: float = 1.0, secret: str = "") -> dict[str, Any]:
-    """The generation's control flags once they differ from ``version`` (or after
-    ``timeout``); ``ended`` when the generation is over. For its own ranks only."""
-    expected = ctl.rank_secret(job_id, generation)
-    if expected and not secret_matches(secret, expected):
-        raise PermissionError(f"the control flags of job {job_id} generation {generation} are "
-                              "for that generation's ranks only")
-    timeout = min(float(timeout), 60.0)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        state = ctl.control_state(job_id)
-        if not state or state.get("generation") != generation:
-            return {"ended": True, "version": -1, "flags": {}}
-        if int(state.get("version", 0)) != version:
-            return {"ended": False, "version": state["version"], "flags": state["flags"],
-                    "knobs": state.get("knobs", [])}
-        remaining = deadline - loop.time()
-        if remaining <= 0:
-            return {"ended": False, "version": version, "flags": state["flags"],
-                    "knobs": state.get("knobs", [])}
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ctl.control_news.wait(), remaining)
-
-
 # ====================================================================== helpers
 def _known(ctl: ControllerPort, job_id: str) -> dict[str, Any]:
     status = ctl.job_status(job_id) if job_id in ctl.assets else None
@@ -560,8 +498,3 @@ def _is_operator(ctl: ControllerPort, token: str) -> bool:
     from nbtrain.engine.assets import token_matches
 
     return token_matches(token, ctl.operator_hash)
-
-
-def _current_generation(ctl: ControllerPort, job_id: str) -> int:
-    generation = ctl.generation_of(job_id)
-    return 1 << 30 if generation is None else generation
