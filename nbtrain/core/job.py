@@ -156,6 +156,13 @@ class JobSpec:
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             raise ValueError(f"priority must be an integer, got {self.priority!r}: e.g. "
                              "priority=5 (higher runs first)")
+        self._check_sizes()
+        self._check_policy()
+        if self.mesh is not None:
+            validate_mesh(self.mesh, self.world_size, sizes=self.bounds)
+
+    def _check_sizes(self) -> None:
+        """``world_size``, ``steps``, ``min_size`` and ``max_size``: ValueError with the fix."""
         if (not isinstance(self.world_size, int) or isinstance(self.world_size, bool)
                 or self.world_size < 1):
             raise ValueError(
@@ -178,6 +185,9 @@ class JobSpec:
                 f"max_size must be an integer >= world_size={self.world_size}, "
                 f"got {self.max_size!r}"
             )
+
+    def _check_policy(self) -> None:
+        """The restart, device and non-finite policies: ValueError with the fix."""
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(
                 f"max_restarts must be an integer >= 0, got {self.max_restarts!r}: "
@@ -197,8 +207,6 @@ class JobSpec:
         if self.on_nonfinite not in ("alert", "halt"):
             raise ValueError(f"on_nonfinite must be 'alert' or 'halt', got "
                              f"{self.on_nonfinite!r}")
-        if self.mesh is not None:
-            validate_mesh(self.mesh, self.world_size, sizes=self.bounds)
 
     @property
     def bounds(self) -> tuple[int, int]:

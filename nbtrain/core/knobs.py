@@ -221,32 +221,36 @@ def check_change(specs: Mapping[str, KnobSpec], values: Mapping[str, Any], *, ra
         problems.append(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
     out: dict[str, float] = {}
     for name, value in values.items():
-        spec = specs.get(str(name))
-        if spec is None:
-            problems.append(f"{name!r} is not a knob of {job} (it declares {_names(specs)}; "
-                            f"declare it in the training function with "
-                            f"ctx.knobs.declare({str(name)!r}, default, min=..., max=...))")
-            continue
-        if not _is_number(value) or not math.isfinite(float(value)):
-            problems.append(f"{name} must be a finite number, got {value!r}")
-            continue
-        if spec.integer and not float(value).is_integer():
-            problems.append(f"{name} takes whole numbers (a count of steps), got {value!r}")
-            continue
-        if ramp and not spec.ramps:
-            why = "it counts whole steps" if spec.integer else "the controller applies it"
-            problems.append(f"{name} cannot ramp ({why}): set it with ramp=0, in a change "
-                            "of its own")
-            continue
-        why = spec.out_of_bounds(float(value))
-        if why:
-            problems.append(f"{name}={value:g}: {why} (declared bounds "
-                            f"[{_bound(spec.min)}, {_bound(spec.max)}])")
-            continue
-        out[str(name)] = float(value)
+        problem = _value_problem(specs, str(name), value, ramp, job)
+        if problem:
+            problems.append(problem)
+        else:
+            out[str(name)] = float(value)
     if problems:
         raise KnobError(f"cannot set the knobs of {job}: " + "; ".join(problems))
     return out
+
+
+def _value_problem(specs: Mapping[str, KnobSpec], name: str, value: Any, ramp: int,
+                   job: str) -> str:
+    """What is wrong with setting knob ``name`` to ``value`` ("" when nothing is)."""
+    spec = specs.get(name)
+    if spec is None:
+        return (f"{name!r} is not a knob of {job} (it declares {_names(specs)}; declare it in "
+                f"the training function with ctx.knobs.declare({name!r}, default, min=..., "
+                "max=...))")
+    if not _is_number(value) or not math.isfinite(float(value)):
+        return f"{name} must be a finite number, got {value!r}"
+    if spec.integer and not float(value).is_integer():
+        return f"{name} takes whole numbers (a count of steps), got {value!r}"
+    if ramp and not spec.ramps:
+        why = "it counts whole steps" if spec.integer else "the controller applies it"
+        return f"{name} cannot ramp ({why}): set it with ramp=0, in a change of its own"
+    why = spec.out_of_bounds(float(value))
+    if why:
+        return (f"{name}={value:g}: {why} (declared bounds [{_bound(spec.min)}, "
+                f"{_bound(spec.max)}])")
+    return ""
 
 
 @dataclass
