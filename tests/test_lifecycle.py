@@ -73,10 +73,11 @@ class Harness:
 
     def submit(self, job_id: str, world_size: int = 2, *, priority: int = 0,
                team: str = "default", queue: bool = True, max_restarts: int = 3,
-               faults: Iterable[Fault] = (), fail_fast: bool = True) -> list[Command]:
+               faults: Iterable[Fault] = (), fail_fast: bool = True,
+               **spec_fields: Any) -> list[Command]:
         spec = JobSpec(job_id=job_id, name=f"job-{job_id}", world_size=world_size, steps=1000,
                        priority=priority, team=team, queue=queue, max_restarts=max_restarts,
-                       fail_fast=fail_fast)
+                       fail_fast=fail_fast, **spec_fields)
         return self.feed(Submitted, JobSubmission(spec=spec, policy=POLICY, faults=tuple(faults)))
 
     def steps(self, job_id: str, gen: int, upto: int, ranks: Iterable[int] = (0, 1),
@@ -346,6 +347,19 @@ def test_resume_is_judged_by_the_rule_the_buttons_read(state: str) -> None:
     assert bool(refused) is not user_actions(state)["resume"]
     if not refused:
         assert h.state(job) in ("QUEUED", "STARTING")  # resumed: queued, or started at once
+
+
+@pytest.mark.parametrize(("kind", "says"), [("function", "checkpoint=None"),
+                                             ("script", "keeps its own snapshots")])
+def test_a_checkpoint_request_to_a_job_without_nbtrain_checkpoints_is_refused(
+        kind: str, says: str) -> None:
+    h = Harness()
+    h.submit("a", checkpoint=None, extra={"kind": kind})
+    h.steps("a", 0, 5)
+    out = h.feed(request_from_wire, "a", "checkpoint")
+    [refused] = h.of(Rejected, out)
+    assert says in refused.reason and not h.of(SetControl, out)
+    assert h.state("a") == "RUNNING"  # refused in words; the job trains on
 
 
 def test_stop_during_user_preempt_cancels() -> None:

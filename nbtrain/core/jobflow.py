@@ -22,6 +22,7 @@ from typing import Any
 
 from nbtrain.core.clusterevents import job_line_event
 from nbtrain.core.explain import (
+    checkpoint_rejected,
     fault_list,
     repeated_exception,
     restart_budget,
@@ -185,7 +186,9 @@ def request(job: LiveJob, ev: UserRequest, *, now: float, grace_s: float, schedu
     if isinstance(ev, ResumeRequested):
         return _resume(job, now, scheduled, out)
     if isinstance(ev, CheckpointRequested):
-        if job.gen is not None:
+        if job.spec.checkpoint is None:
+            out.add(Rejected(job.id, checkpoint_rejected(job.name, job.spec.extra.get("kind"))))
+        elif job.gen is not None:
             job.checkpoint_seq += 1
             out.set_control(job, checkpoint=job.checkpoint_seq)
     elif isinstance(ev, StragglerTuningRequested):
