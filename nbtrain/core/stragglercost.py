@@ -119,7 +119,8 @@ class CostJudge:
 
     def _measure(self) -> tuple[FloatArray, bool]:
         """The noise, and whether it was measured on steps before the evidence (enough of
-        them) rather than on all steps seen."""
+        them) rather than on all steps seen; once per step, and only on the steps that need it
+        (a median over time: most of a judged step's cost)."""
         if self._cache is not None and self._cache[0] == self._recorded:
             return self._cache[1], self._cache[2]
         ring = np.roll(self._levels, -self._pos, axis=0)  # oldest first
@@ -156,8 +157,9 @@ class CostJudge:
         if excess.shape[0] < s.confirm_steps or not candidates.any():
             return np.zeros(candidates.shape, dtype=bool)
         kept = sustained_excess(excess, s.window)
-        ok: BoolArray = (candidates & (kept >= s.confirm_share * step_s)
-                         & (kept >= s.confirm_z * self.bar()))
+        ok: BoolArray = candidates & (kept >= s.confirm_share * step_s)
+        if ok.any():  # the noise only where it decides
+            ok &= kept >= s.confirm_z * self.bar()
         return ok
 
     def clear(self, confirmed: BoolArray, excess: FloatArray, step_s: float) -> BoolArray:
