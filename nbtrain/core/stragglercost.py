@@ -43,6 +43,7 @@ BoolArray = npt.NDArray[np.bool_]
 
 _MAD_TO_SIGMA = 1.4826
 _MIN_NOISE_STEPS = 16  # fewer lagged levels than this: measure the noise on all levels seen
+_NOISE_EVERY = 16  # steps between two measurements of the noise
 #: How much the peers' own wander counts in the noise (a machine whose load comes and goes).
 LOAD_WEIGHT = 1.5
 
@@ -119,9 +120,10 @@ class CostJudge:
 
     def _measure(self) -> tuple[FloatArray, bool]:
         """The noise, and whether it was measured on steps before the evidence (enough of
-        them) rather than on all steps seen; once per step, and only on the steps that need it
-        (a median over time: most of a judged step's cost)."""
-        if self._cache is not None and self._cache[0] == self._recorded:
+        them) rather than on all steps seen. Measured again every ``_NOISE_EVERY`` steps: it
+        is a median over time, which at 64 ranks costs ten times the rest of a judged step,
+        and it moves slowly (it is lagged by ``confirm_steps`` anyway)."""
+        if self._cache is not None and self._recorded - self._cache[0] < _NOISE_EVERY:
             return self._cache[1], self._cache[2]
         ring = np.roll(self._levels, -self._pos, axis=0)  # oldest first
         lagged = ring[: ring.shape[0] - self._settings.confirm_steps]
@@ -156,10 +158,12 @@ class CostJudge:
         s = self._settings
         if excess.shape[0] < s.confirm_steps or not candidates.any():
             return np.zeros(candidates.shape, dtype=bool)
-        kept = sustained_excess(excess, s.window)
-        ok: BoolArray = candidates & (kept >= s.confirm_share * step_s)
-        if ok.any():  # the noise only where it decides
-            ok &= kept >= s.confirm_z * self.bar()
+        ok: BoolArray = np.zeros(candidates.shape, dtype=bool)
+        kept = sustained_excess(excess[:, candidates], s.window)  # the candidates' columns
+        costly = kept >= s.confirm_share * step_s
+        if costly.any():  # the noise only where it decides
+            costly &= kept >= s.confirm_z * self.bar()[candidates]
+        ok[candidates] = costly
         return ok
 
     def clear(self, confirmed: BoolArray, excess: FloatArray, step_s: float) -> BoolArray:
@@ -167,8 +171,9 @@ class CostJudge:
         evidence is below ``clear_share`` of a step."""
         if not confirmed.any():
             return np.zeros(confirmed.shape, dtype=bool)
-        cost = block_means(excess, self._settings.window).mean(axis=0)
-        gone: BoolArray = confirmed & (cost < self._settings.clear_share * step_s)
+        gone: BoolArray = np.zeros(confirmed.shape, dtype=bool)
+        cost = block_means(excess[:, confirmed], self._settings.window).mean(axis=0)
+        gone[confirmed] = cost < self._settings.clear_share * step_s
         return gone
 
 
