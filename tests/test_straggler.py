@@ -486,3 +486,24 @@ def test_detector_replays_64_ranks() -> None:
     frames = ddp_frames(64, 150, slow=(40, Phase.COMPUTE, 1.5, 50, 150))
     events = run(StragglerDetector(64), frames)
     assert {(e.rank, e.phase) for e in events} == {(40, Phase.COMPUTE)}
+
+
+def test_a_phase_not_judged_is_never_confirmed_however_much_it_costs() -> None:
+    frames = ddp_frames(4, 200, slow=(1, Phase.COMPUTE, 2.0, 30, 200))
+    judged = run(StragglerDetector(4, StragglerSettings(confirm_s=0.0)), frames)
+    assert (1, Phase.COMPUTE, Verdict.CONFIRMED) in {(e.rank, e.phase, e.state) for e in judged}
+    det = StragglerDetector(4, StragglerSettings(confirm_s=0.0, phases=("data", "comm", "opt")))
+    assert run(det, frames) == []
+
+
+def test_a_rank_alternating_fast_and_slow_steps_is_confirmed_by_its_cost_and_stays() -> None:
+    # a CPU shared with another process: rank 1's compute 2.2x on two steps of three, its own
+    # speed on the third; slow on 67% of steps, costing ~0.5 of a step on average
+    f = np.ones((900, 2))
+    f[200:, 1] = np.where(np.arange(700) % 3 == 2, 1.0, 2.2)
+    events = run(StragglerDetector(2), ddp_frames(2, 900, seed=11, compute_factor=f))
+    confirmed = [e for e in events if e.state is Verdict.CONFIRMED]
+    assert [(e.rank, e.phase) for e in confirmed] == [(1, Phase.COMPUTE)]
+    assert 200 + StragglerSettings().confirm_steps - 8 <= confirmed[0].step <= 260
+    assert not [e for e in events if e.step > confirmed[0].step and e.rank == 1
+                and e.phase is Phase.COMPUTE and e.state is Verdict.CLEARED]

@@ -632,8 +632,9 @@ class StragglerDetector:
         state[suspect] = 1
         started = self._run_start[suspect]
         self._since[suspect] = np.where(started >= 0, started, step)
-        confirmed = self._cost.confirm((state < 2) & (self._run_s >= s.confirm_s), excess,
-                                       evidence_s)
+        watched = np.array([[p in s.phases] for p in PHASES])
+        confirmed = self._cost.confirm(
+            (state < 2) & ~cleared & watched & (self._run_s >= s.confirm_s), excess, evidence_s)
         unannounced = confirmed & (state == 0)  # confirmed before it was ever suspect
         started = self._run_start[unannounced]
         self._since[unannounced] = np.where(started >= 0, started, step)
