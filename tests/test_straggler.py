@@ -437,6 +437,9 @@ def test_settings_are_validated_with_the_values() -> None:
         StragglerSettings(suspect_votes=9)
     with pytest.raises(ValueError, match=r"clear_votes .* below suspect_votes=6, got 6"):
         StragglerSettings(clear_votes=6)
+    with pytest.raises(ValueError, match=r"clear_share must be in \[0, 1\), got 1.5"):
+        StragglerSettings(clear_share=1.5)
+    StragglerSettings(confirm_share=0.02)  # below clear_share: clears below 2%, as a knob may
     with pytest.raises(ValueError, match=r"phases must be"):
         StragglerSettings(phases=("gpu",))  # type: ignore[arg-type]
     assert StragglerSettings(phases=("compute",)).phases == (Phase.COMPUTE,)  # type: ignore[arg-type]

@@ -173,7 +173,8 @@ class CostJudge:
             return np.zeros(confirmed.shape, dtype=bool)
         gone: BoolArray = np.zeros(confirmed.shape, dtype=bool)
         cost = block_means(excess[:, confirmed], self._settings.window).mean(axis=0)
-        gone[confirmed] = cost < self._settings.clear_share * step_s
+        share = min(self._settings.clear_share, self._settings.confirm_share)
+        gone[confirmed] = cost < share * step_s
         return gone
 
 
