@@ -22,17 +22,20 @@ percent of a step) are detected (suspect) but, by design, not confirmed.
 
 (b) Live, injected: a 2-rank job whose rank's compute the fault injector slows 2x.
 
-(c) Live, real noise (issue 15): healthy 2-rank jobs on this machine, >= 10k steps in all
+(c) Live, real noise (issues 15 and 31), on a quiet machine (``live_*``) and beside a second
+CPU hog free to move between cores (``live_loaded_*``): healthy 2-rank jobs
 (``live_clean_confirmed_per_10k``: stragglers confirmed that are not there; target <= 1), and
-a CPU hog pinned to one rank's core with ``taskset`` while the ranks are pinned one per core
-(``live_hog_right``: the first confirmed verdict names that rank and compute, and no other
-rank is confirmed, target 1; ``live_hog_latency_steps``: steps from the onset, the worst
-trial, target <= 50). The machine is shared: ``live_load1_max`` says how busy it was.
+a CPU hog pinned to one rank's core with ``taskset`` while the ranks are pinned one per core,
+6 trials per condition with ``--quick``, 20 without (``live_hog_trials``; ``live_hog_right``:
+the fraction whose first confirmed verdict names that rank and compute, and no other rank is
+confirmed, target >= 0.9; ``live_hog_latency_steps`` / ``_s``: steps and seconds from the
+onset, the median of the right trials, target <= 50 steps). The machine is shared:
+``live_load1_max`` / ``_median`` say how busy it was.
 ``--save-traces DIR`` keeps the live runs' phase times for offline replay
 (``benchmarks/_straggler_live.py``).
 
-Run: ``python benchmarks/stragglers.py --quick`` (about five minutes on two cores, most of it
-live).
+Run: ``python benchmarks/stragglers.py --quick`` (about seven minutes on two cores, most of
+it live).
 """
 
 from __future__ import annotations
@@ -347,7 +350,7 @@ def live_trials(cluster: Any, quick: bool) -> dict[str, Any]:
     import nbtrain
     from nbtrain.examples import DigitsMLP
 
-    trials = 4 if quick else 10
+    trials = 2 if quick else 10
     rng = random.Random(7)
     rank_ok = phase_ok = 0
     latencies: list[int] = []
@@ -412,7 +415,7 @@ def fmt(x: float | None, spec: str = ".2f") -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="fewer traces and live trials (about five minutes)")
+                        help="fewer traces and live trials (about seven minutes)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=10_000)
     parser.add_argument("--noise", type=float, default=0.05,

@@ -18,17 +18,17 @@ the same phase on the other ranks:
    ``window`` steps cannot make a rank suspect, whatever its size: spikes are ignored by
    construction, not by tuning a magnitude. The gap between the suspect and clear counts is
    hysteresis, so a rank hovering near the threshold does not flap.
-4. *Confirmed* (what is worth acting on) asks for a slowdown that is sustained and costs the
-   job, measured against the job's own noise rather than a fixed ratio: over the last
-   ``confirm_steps`` steps the pair was slow on ``confirm_fraction`` of them and, on that
-   share of them, by at least ``confirm_share`` of a step and ``confirm_z`` times the job's
-   noise, and the slowdown has lasted ``confirm_s`` seconds. The noise is how much a rank's
-   recent excess over its peers, or the peers' own recent time in the phase, wandered in
-   this job over the steps before that evidence: on a quiet machine it is small and a steady
-   1.3x is confirmed; on a busy one, where other processes come and go and slow one rank and
-   then another for a second or two, it is large, and only a slowdown well beyond those is.
-   (Measured live on this project's 2-core machine, issue 15: the previous rule, suspect for
-   30 steps, confirmed passing slowdowns there about 27 times per 10k steps of healthy jobs.)
+4. *Confirmed* (what is worth acting on) follows what the slow rank costs the job over a
+   window, measured against the job's own noise rather than a fixed ratio
+   (:mod:`nbtrain.core.stragglercost`): every block of ``window`` steps among the last
+   ``confirm_steps`` cost at least ``confirm_share`` of a step on average and ``confirm_z``
+   times the job's noise as it was when the slowdown began, and the slowdown has lasted
+   ``confirm_s`` seconds. It needs no unbroken run of slow steps: a rank that alternates
+   fast and slow steps counts by its mean. It is *cleared* only when the cost is gone (the
+   mean excess over the last ``confirm_steps`` below ``clear_share`` of a step), not by a
+   few fast steps. On a quiet machine the noise is small and a steady 1.3x is confirmed; on
+   a busy one, where other processes come and go and slow one rank and then another for a
+   second or two, it is large, and only a slowdown well beyond those is.
 5. The first ``warmup_steps`` steps after each (re)start are not judged (compilation, cache
    warm-up and the first all-reduce make them slow for reasons that pass).
 
@@ -49,6 +49,7 @@ import numpy as np
 import numpy.typing as npt
 
 from nbtrain.core.records import PHASES, FloatArray, Phase, StepFrame, StepRecord
+from nbtrain.core.stragglercost import CostJudge, trimmed_mean
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -92,9 +93,10 @@ class StragglerSettings:
     """Thresholds of the detector; change them on a running job with ``update_settings``.
 
     Defaults make a rank *suspect* (the early signal) when one phase is 1.2x its peers on 6
-    of 8 steps, and *confirm* it when, on 70% of the last 32 steps, it was slower than its
-    peers by at least 10% of a step and 4x the job's own noise in that phase, for at
-    least a second of training. Spikes of any size on fewer than 6 of 8 steps are ignored.
+    of 8 steps, and *confirm* it when, in each quarter of the last 32 steps, it cost the job
+    on average at least 10% of a step and 4x the job's own noise in that phase, for at least
+    a second of training; it is cleared when it costs under 5% over the last 32 steps. Spikes
+    of any size on fewer than 6 of 8 steps never make a suspect.
     """
 
     ratio: float = 1.2
@@ -105,26 +107,29 @@ class StragglerSettings:
     suspect_votes: int = 6
     """Slow steps among the last ``window`` that make a (rank, phase) suspect."""
     clear_votes: int = 2
-    """A suspect or confirmed pair is cleared when its slow steps in the window fall to this
-    many or fewer."""
+    """A suspect pair is cleared when its slow steps in the window fall to this many or
+    fewer (a confirmed one only when its cost is gone: ``clear_share``)."""
     confirm_steps: int = 32
     """Steps of evidence a confirmed verdict (the one mitigation acts on) rests on: the last
-    ``confirm_steps`` steps. Longer is steadier and later; it should cover a few times the
-    longest pause you consider normal (a checkpoint, an evaluation)."""
-    confirm_fraction: float = 0.7
-    """A suspect is confirmed only when it was slow on at least this share of the last
-    ``confirm_steps`` steps: a sustained slowdown, not one that comes and goes."""
+    ``confirm_steps`` steps, in blocks of ``window``. Longer is steadier and later; it should
+    cover a few times the longest pause you consider normal (a checkpoint, an evaluation)."""
     confirm_share: float = 0.10
-    """...and when, on that share of those steps, its excess over the peers is at least this
-    share of the median step time: the job would run that much faster without the slow rank.
-    Lower it to confirm stragglers that cost the job less."""
+    """A pair is confirmed when, in every block of ``window`` steps among the last
+    ``confirm_steps``, its mean excess over the peers is at least this share of the median
+    step time: the job would run that much faster without the slow rank. A mean, so a rank
+    that alternates fast and slow steps counts by what it costs. Lower it to confirm
+    stragglers that cost the job less."""
     confirm_z: float = 4.0
-    """...and at least this many times the job's own noise in the phase: how much a rank's
-    recent excess over its peers (its median over the vote window) wanders in this job, or
-    the peers' own recent time in the phase does (weighted 1.5), whichever is larger, as
-    1.4826 x the MAD over the ``noise_steps`` steps before the evidence. A job on a busy
-    machine or shared host, whose load comes and goes and slows one rank and then another,
-    needs a larger slowdown to be confirmed than a job on a quiet one."""
+    """...and at least this many times the job's own noise in the phase: how much the mean
+    excess of a rank over its peers (over the vote window) wanders in this job, or the peers'
+    own mean time in the phase does (weighted 1.5), whichever is larger, as 1.4826 x the MAD
+    over the ``noise_steps`` steps before the evidence, taken when the slowdown began. A job
+    on a busy machine or shared host, whose load comes and goes and slows one rank and then
+    another, needs a larger slowdown to be confirmed than a job on a quiet one."""
+    clear_share: float = 0.05
+    """A confirmed pair is cleared when its mean excess over the last ``confirm_steps`` steps
+    falls below this share of the median step time (or below ``confirm_share``, if that is
+    lower): the cost is gone, not one step fast. The gap to ``confirm_share`` is hysteresis."""
     confirm_s: float = 1.0
     """...and only once its slowdown has lasted this many seconds of training (step times
     summed since it began): with fast steps, tens of steps pass in a fraction of a second,
@@ -194,13 +199,11 @@ class StragglerSettings:
         problems: list[str] = []
         if not (isinstance(self.confirm_steps, int) and self.confirm_steps >= 1):
             problems.append(f"confirm_steps must be an integer >= 1, got {self.confirm_steps!r}")
-        if not 0.0 < self.confirm_fraction <= 1.0:
-            problems.append(
-                f"confirm_fraction must be in (0, 1], got {self.confirm_fraction!r} "
-                "(e.g. 0.7: slow on 70% of the recent steps)"
-            )
         if not 0.0 <= self.confirm_share < 1.0:
             problems.append(f"confirm_share must be in [0, 1), got {self.confirm_share!r}")
+        if not 0.0 <= self.clear_share < 1.0:
+            problems.append(f"clear_share must be in [0, 1), got {self.clear_share!r} "
+                            "(e.g. half of confirm_share)")
         if not self.confirm_z >= 0.0:
             problems.append(f"confirm_z must be >= 0, got {self.confirm_z!r}")
         if not self.confirm_s >= 0.0:
@@ -220,11 +223,6 @@ class StragglerSettings:
         if not self.min_z >= 0.0:
             problems.append(f"min_z must be >= 0, got {self.min_z!r}")
         return problems
-
-    @property
-    def confirm_votes(self) -> int:
-        """Slow steps among the last ``confirm_steps`` that a confirmation needs."""
-        return max(1, math.ceil(self.confirm_fraction * self.confirm_steps - 1e-9))
 
 
 _LEVELS = {"suspect": "warning", "confirmed": "critical", "cleared": "info"}
@@ -404,10 +402,6 @@ class StragglerDetector:
     :meth:`reset` when a new generation starts (ranks may have moved or changed in number).
     """
 
-    _levels: FloatArray  # (noise_steps + confirm_steps, 2, phases, ranks), see _init_state
-    _level_pos: int
-    _noise_cache: tuple[int, FloatArray] | None  # (judged steps when computed, noise)
-
     def __init__(
         self, world_size: int, settings: StragglerSettings | None = None, *, start_step: int = 0
     ) -> None:
@@ -434,7 +428,7 @@ class StragglerDetector:
     def noise_s(self) -> dict[Phase, float]:
         """The job's current noise per phase (seconds; 0 until measured): what ``confirm_z``
         multiplies."""
-        sigma = self._noise()
+        sigma = self._cost.noise()
         return {p: float(sigma[i]) for i, p in enumerate(PHASES)}
 
     def update_settings(self, **changes: Any) -> list[Diagnosis]:
@@ -448,10 +442,7 @@ class StragglerDetector:
         self._settings = new
         if _ring_len(new) != _ring_len(old):
             self._resize_rings(_ring_len(new))
-        if _noise_len(new) != _noise_len(old):
-            self._levels, self._level_pos = _regrow(
-                self._levels, self._level_pos, _noise_len(new), np.nan)
-        self._noise_cache = None
+        self._cost.update_settings(new)
         dropped = [i for i, p in enumerate(PHASES) if p not in new.phases]
         events: list[Diagnosis] = []
         for pi in dropped:
@@ -560,9 +551,7 @@ class StragglerDetector:
         self._run_start: IntArray = np.full((p, n), -1, dtype=np.int64)
         self._run_s: FloatArray = np.zeros((p, n))  # training seconds since the run began
         self._since: IntArray = np.full((p, n), -1, dtype=np.int64)
-        self._levels = np.full((_noise_len(self._settings), 2, p, n), np.nan)
-        self._level_pos = 0
-        self._noise_cache = None
+        self._cost = CostJudge(self._settings, n)
         self._median_step_s = 0.0
 
     def _resize_rings(self, r: int) -> None:
@@ -577,30 +566,6 @@ class StragglerDetector:
         r = self._votes.shape[0]
         positions: IntArray = (self._pos - 1 - np.arange(min(k, r), dtype=np.int64)) % r
         return positions
-
-    def _noise(self) -> FloatArray:
-        """Per phase, the job's noise: how much a rank's recent excess over its peers wanders
-        from its usual level, or how much its peers' own recent time in the phase does (a
-        machine whose load comes and goes; weighted ``_LOAD_WEIGHT``), whichever is larger.
-        Each is 1.4826 x the MAD over time of the windowed medians, the median over ranks.
-        Measured on the ``noise_steps`` steps before the confirmation evidence, so a slowdown
-        now does not raise the bar for itself; on all steps seen while there are fewer than
-        16 of those (a level that stays put, as a straggler's does from the start, adds no
-        noise either way). Zero until measured."""
-        if self._noise_cache is not None and self._noise_cache[0] == self._judged:
-            return self._noise_cache[1]
-        ring = np.roll(self._levels, -self._level_pos, axis=0)  # oldest first
-        lagged = ring[: ring.shape[0] - self._settings.confirm_steps]
-        enough = np.sum(~np.isnan(lagged[:, 0, 0, 0])) >= _MIN_NOISE_STEPS
-        usable = lagged if enough else ring
-        levels = usable[~np.isnan(usable[:, 0, 0, 0])]
-        sigma: FloatArray = np.zeros(len(PHASES))
-        if levels.shape[0] >= 2:
-            mad = np.median(np.abs(levels - np.median(levels, axis=0)), axis=0)
-            wander = _MAD_TO_SIGMA * np.median(mad, axis=2)  # (excess or peers, phase)
-            sigma = np.maximum(wander[0], _LOAD_WEIGHT * wander[1])
-        self._noise_cache = (self._judged, sigma)
-        return sigma
 
     def _slow_steps(self, frame: StepFrame) -> tuple[BoolArray, FloatArray, FloatArray]:
         """Per (phase, rank) of one step: slow or not, excess over the peers and the peers'
@@ -642,27 +607,36 @@ class StragglerDetector:
         recent = self._recent(min(s.window, self._judged - s.warmup_steps))
         steps_s = self._steps_s[recent]
         self._median_step_s = float(median0(steps_s[~np.isnan(steps_s)]))
-        # a median that is NaN where a column has a gap, not nanmedian (10x slower): a level
-        # with a gap (a ring grown by a settings change) is NaN, and _noise skips it
-        self._levels[self._level_pos, 0] = median0(self._excess[recent])
-        self._levels[self._level_pos, 1] = median0(self._reference[recent])
-        self._level_pos = (self._level_pos + 1) % self._levels.shape[0]
+        # a mean that is NaN where a column has a gap (a ring grown by a settings change):
+        # the noise skips such a level
+        self._cost.record(trimmed_mean(self._excess[recent]),
+                          trimmed_mean(self._reference[recent]))
         count = self._votes[recent].sum(axis=0)
 
         starting = slow & (self._run_start < 0)
         self._run_start[starting] = step
         self._run_s[starting] = 0.0
+        self._cost.freeze(starting)  # judged against the noise from before it began
         self._run_start[count == 0] = -1
         self._run_s[self._run_start >= 0] += step_s
 
         state = self._state
-        cleared = (state > 0) & (count <= s.clear_votes)
+        evidence = self._recent(s.confirm_steps)
+        excess = self._excess[evidence[::-1]]  # oldest first
+        evidence_s = float(median0(self._steps_s[evidence]))
+        cleared = ((state == 1) & (count <= s.clear_votes)) | self._cost.clear(
+            state == 2, excess, evidence_s)
         state[cleared] = 0
         suspect = (state == 0) & (count >= s.suspect_votes)
         state[suspect] = 1
         started = self._run_start[suspect]
         self._since[suspect] = np.where(started >= 0, started, step)
-        confirmed = self._sustained((state == 1) & (self._run_s >= s.confirm_s))
+        watched = np.array([[p in s.phases] for p in PHASES])
+        confirmed = self._cost.confirm(
+            (state < 2) & ~cleared & watched & (self._run_s >= s.confirm_s), excess, evidence_s)
+        unannounced = confirmed & (state == 0)  # confirmed before it was ever suspect
+        started = self._run_start[unannounced]
+        self._since[unannounced] = np.where(started >= 0, started, step)
         state[confirmed] = 2
 
         events: list[Diagnosis] = []
@@ -676,25 +650,6 @@ class StragglerDetector:
                     events.append(self._diagnose(int(pi), int(rank), verdict, step))
         events.sort(key=lambda d: (d.step, d.rank, PHASES.index(d.phase)))
         return events
-
-    def _sustained(self, candidates: BoolArray) -> BoolArray:
-        """Which ``candidates`` (phase, rank) the last ``confirm_steps`` steps confirm: slow
-        on ``confirm_fraction`` of them, and on that share of them by at least
-        ``confirm_share`` of a step and ``confirm_z`` times the job's noise."""
-        s = self._settings
-        evidence = self._recent(s.confirm_steps)
-        if evidence.size < s.confirm_steps or not candidates.any():
-            return np.zeros(self._state.shape, dtype=bool)
-        votes = self._votes[evidence].sum(axis=0)
-        # the excess the rank reached on ``confirm_fraction`` of the steps, not the median:
-        # a slowdown on half of them (a burst, then recovery) does not pass for a steady one
-        steady = np.quantile(self._excess[evidence], 1.0 - s.confirm_fraction, axis=0)
-        step_s = float(np.median(self._steps_s[evidence]))
-        ok: BoolArray = candidates & (votes >= s.confirm_votes) & (
-            steady >= s.confirm_share * step_s)
-        if ok.any():  # the noise only where it decides (it costs a median over time)
-            ok &= steady >= s.confirm_z * self._noise()[:, None]
-        return ok
 
     def _diagnose(self, pi: int, rank: int, verdict: Verdict, step: int) -> Diagnosis:
         s = self._settings
@@ -724,24 +679,13 @@ class StragglerDetector:
             window=int(recent.size),
             hint=HINTS[phase],
             peer_s=peer_s,
-            noise_s=float(self._noise()[pi]),
+            noise_s=float(self._cost.bar()[pi, rank] if verdict is Verdict.CONFIRMED
+                          else self._cost.noise()[pi]),
         )
-
-
-_MIN_NOISE_STEPS = 16  # fewer lagged steps than this: measure the noise on all steps seen
-# How much the peers' own wander counts in the noise. Replayed on 72k steps of healthy jobs
-# recorded on a 2-core machine shared with other work (load average up to 9), 1.5 left 2
-# confirmations (6 without it) while 18 of 18 pinned-hog trials were still confirmed within
-# 46 steps of the onset; 2.0 left 1, but 2 of those trials then took longer than 50 steps.
-_LOAD_WEIGHT = 1.5
 
 
 def _ring_len(s: StragglerSettings) -> int:
     return max(s.window, s.confirm_steps)
-
-
-def _noise_len(s: StragglerSettings) -> int:
-    return s.noise_steps + s.confirm_steps
 
 
 def _regrow(ring: npt.NDArray[Any], pos: int, length: int, fill: Any) -> tuple[Any, int]:
