@@ -268,3 +268,17 @@ def test_the_class_page_shows_team_shares_of_a_run_with_known_weights() -> None:
     page.log_team.value = "big"  # as the browser sets it: the page redraws its log
     assert "small1 preempted big0" in page.log.text and "joined" not in page.log.text
     assert "team big" in page.log.text
+
+
+def test_the_text_class_view_lists_team_shares() -> None:
+    from nbtrain.ui.cluster_view import ClusterText
+
+    snap = _snapshot_of(*_weighted_run({"big": 3.0, "small": 1.0}))
+
+    class Snapshots:
+        def snapshot(self) -> dict[str, Any]:
+            return snap
+
+    text = repr(ClusterText(Snapshots()))
+    assert "fair share over the last 10 min 00 s:" in text
+    assert "team big (weight 3): fair share 75%, got 75% (got / fair 1.00)" in text

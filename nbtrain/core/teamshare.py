@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["WAITING_STATES", "jobs_per_student", "team_shares", "waiting_jobs"]
+__all__ = ["WAITING_STATES", "duration", "jobs_per_student", "team_shares", "waiting_jobs"]
 
 #: States of a job that waits for slots (a job its owner preempted is held, not waiting).
 WAITING_STATES = frozenset({"QUEUED"})
@@ -107,3 +107,13 @@ def jobs_per_student(jobs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     out = [{**row, "teams": sorted(row["teams"])} for row in by.values()]
     out.sort(key=lambda r: (-r["jobs"], r["owner"]))
     return out
+
+
+def duration(seconds: float) -> str:
+    """``45 s``, ``3 min 05 s``, ``2 h 07 min``: how long someone has waited."""
+    s = int(max(0.0, seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"

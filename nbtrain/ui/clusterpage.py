@@ -29,10 +29,10 @@ from bokeh.models.widgets.tables import DataTable, HTMLTemplateFormatter, TableC
 
 from nbtrain.core.clusterevents import cluster_log_lines
 from nbtrain.core.job import status_progress
-from nbtrain.core.teamshare import jobs_per_student, team_shares, waiting_jobs
+from nbtrain.core.teamshare import duration, jobs_per_student, team_shares, waiting_jobs
 from nbtrain.ui.slots import fit_slot_figure, slot_columns, slot_figure
 
-__all__ = ["ALL_TEAMS", "ClusterPage", "duration"]
+__all__ = ["ALL_TEAMS", "ClusterPage"]
 
 _JOB_COLUMNS = ("link", "state", "progress", "ranks", "owner", "team", "priority", "goodput",
                 "restarts", "waiting", "reason")
@@ -41,16 +41,6 @@ _TEAM_COLUMNS = ("team", "weight", "fair_share", "share", "ratio", "slot_s", "ru
 _STUDENT_COLUMNS = ("owner", "teams", "jobs", "running", "waiting", "ended", "failed")
 #: The log filter's choice for every team (and the entries about no job: workers, restarts).
 ALL_TEAMS = "all teams"
-
-
-def duration(seconds: float) -> str:
-    """``45 s``, ``3 min 05 s``, ``2 h 07 min``: how long someone has waited."""
-    s = int(max(0.0, seconds))
-    if s < 60:
-        return f"{s} s"
-    if s < 3600:
-        return f"{s // 60} min {s % 60:02d} s"
-    return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
 def _clock(when: float | None) -> str:
