@@ -33,6 +33,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -318,6 +319,9 @@ def main() -> None:
     parser.add_argument("--limit-mb", type=int, default=LIMIT_MB)
     parser.add_argument("--target-mb", type=int, default=TARGET_MB)
     args = parser.parse_args()
+    # a SIGTERM (timeout, kill) unwinds like an exception: each box's JupyterLab, kernel and
+    # workers are killed and its cgroup removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if os.geteuid() != 0:
         sys.exit("course_box needs root: it makes a memory cgroup per notebook")
     if shutil.which("taskset") is None:
