@@ -125,6 +125,9 @@ class Settings:
     resize_interval_s: float = 30.0
     #: Fair-share weights of teams, ``"research:3,teaching:1"``; unnamed teams weigh 1.
     team_weights: str = ""
+    #: The recent window over which the class view (and ``cluster.snapshot()["teams"]``)
+    #: reports each team's share of slot-time against its weight; decides nothing.
+    share_window_s: float = _SCHED.share_window_s
     #: Highest priority a job may have without the operator token.
     priority_ceiling: int = 10
     #: The operator's token: a client holding it may steer every job, read every job's

@@ -321,3 +321,50 @@ def _wait_text(locator: Any, text: str, timeout_s: float) -> None:
     from playwright.sync_api import expect
 
     expect(locator).to_have_text(text, timeout=timeout_s * 1000)
+
+
+#: Which of the loss plot's two figures the browser shows.
+LOSS_SHOWN_JS = """() => {
+  for (const view of Bokeh.index) {
+    const doc = view.model.document;
+    const lin = doc && doc.get_model_by_name('metric-loss-linear');
+    if (lin) return {linear: lin.visible,
+                     log: doc.get_model_by_name('metric-loss-log').visible};
+  }
+  return null;
+}"""
+
+
+def test_the_reports_loss_axis_toggles_in_a_browser(tmp_path: Path) -> None:
+    """The standalone report's scale toggle works with no server and no kernel: the log
+    figure shows first, a click on "linear" swaps them."""
+    from playwright.sync_api import sync_playwright
+
+    from nbtrain.core.job import JobSpec
+    from nbtrain.engine.job import JobHandle
+    from nbtrain.ui.report import write_report
+
+    job = JobHandle(JobSpec(job_id="r0", name="report", world_size=1, steps=200),
+                    checkpoint_url="memory://report", status={"state": "SUCCEEDED",
+                                                              "reason": "done"})
+    job.follow_update({"rows": [(0, 0, s, 1.7e9 + s, 0.01, 0, 0.01, 0, 0,
+                                 {"loss": 10.0 ** -(s / 50)}) for s in range(1, 201)]})
+    path = write_report(job, str(tmp_path / "report.html"))
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium(), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(Path(path).as_uri())
+            page.wait_for_function(f"() => window.Bokeh && ({LOSS_SHOWN_JS})() !== null",
+                                   timeout=60_000)
+            assert page.evaluate(LOSS_SHOWN_JS) == {"linear": False, "log": True}
+            page.get_by_role("button", name="linear", exact=True).click()
+            page.wait_for_function(f"() => ({LOSS_SHOWN_JS})().linear", timeout=10_000)
+            assert page.evaluate(LOSS_SHOWN_JS) == {"linear": True, "log": False}
+            page.get_by_role("button", name="log", exact=True).click()
+            page.wait_for_function(f"() => ({LOSS_SHOWN_JS})().log", timeout=10_000)
+            assert not errors, errors
+        finally:
+            browser.close()

@@ -746,3 +746,69 @@ def test_owner_page_has_an_input_per_knob_and_sends_changes() -> None:
     assert "aux_weight=0.4" in page.knobs.note.text
     # A read-only page has no knob inputs.
     assert JobPage(FixedFeed(events)).knobs is None
+
+
+@dataclass
+class RowsFeed(FixedFeed):
+    """A fixed feed with step rows (rank 0's loss falling by orders of magnitude)."""
+
+    rows: list[Any] | None = None
+
+    def rows_since(self, position: int) -> tuple[list[Any], int]:
+        rows = self.rows or []
+        return rows[position:], len(rows)
+
+
+def loss_rows(losses: list[float]) -> list[Any]:
+    return [(0, 0, s, 1.7e9 + s, 0.01, 0, 0.01, 0, 0, {"loss": v})
+            for s, v in enumerate(losses, start=1)]
+
+
+def test_loss_axis_toggle_in_the_page_the_widget_and_the_report(
+        comms: list[RecordingComm], tmp_path: Path) -> None:
+    """The loss is drawn on a log axis by default, a linear one a click away; the toggle
+    runs in the browser, so the served page, the widget and the standalone report have it."""
+    from bokeh.document import Document
+    from bokeh.models import CustomJS, LogScale, RadioButtonGroup
+
+    page = JobPage(RowsFeed([], rows=loss_rows([10.0 ** -(s / 20) for s in range(1, 101)])))
+    doc = Document()
+    doc.add_root(page.layout)
+    [toggle] = doc.select({"name": "metric-loss-scale", "type": RadioButtonGroup})
+    assert toggle.labels == ["linear", "log"] and toggle.active == 1
+    linear, log = page.loss_plot.figures
+    assert isinstance(log.y_scale, LogScale) and not isinstance(linear.y_scale, LogScale)
+    assert (linear.visible, log.visible) == (False, True)
+    assert log.x_range is linear.x_range  # zoom on one, the other follows
+    [callback] = toggle.js_property_callbacks["change:active"]
+    assert isinstance(callback, CustomJS)
+    assert callback.args == {"linear": linear, "log": log}
+    assert "linear.visible = cb_obj.active == 0" in callback.code
+    assert len(page.loss_plot.source.data["value"]) == 100
+    # both figures carry the generation and knob marks
+    assert all(any(r.data_source is page.marks.source for r in f.renderers)
+               for f in (linear, log))
+    # the viewer's choice (the toggle as the browser sets it) is kept ...
+    toggle.active = 0
+    page.feed.rows = page.feed.rows + loss_rows([-1.0])  # type: ignore[attr-defined,operator]
+    page.refresh()
+    assert page.loss_plot.scale == "linear"
+    toggle.active = 1
+    page.refresh()
+    assert page.loss_plot.scale == "log"
+    # ... while a plot nobody touched turns linear at its first value <= 0
+    fresh = JobPage(RowsFeed([], rows=loss_rows([2.0, 1.0, 0.0, -0.5])))
+    assert fresh.loss_plot.scale == "linear"
+    assert (fresh.loss_plot.figure.visible, fresh.loss_plot.log_figure.visible) == (True, False)
+    # the widget draws the same plot
+    job = offline_handle(1)
+    feed(job, 1, 0, 50)
+    dash = JobDashboard(job, start=False)
+    dash.refresh()
+    assert dash.loss_plot.scale == "log" and dash.loss_plot.scale_toggle.labels == ["linear", "log"]
+    assert dash.loss_plot.view in dash.plots._model.select({"name": "metric-loss-view"})
+    # the report, standalone HTML, has the toggle and its script
+    path = write_report(job, str(tmp_path / "report.html"))
+    text = Path(path).read_text()
+    assert "metric-loss-scale" in text and "LogScale" in text
+    assert "linear.visible = cb_obj.active == 0" in text

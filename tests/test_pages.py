@@ -142,6 +142,26 @@ def test_class_view_shows_every_clients_jobs_and_the_page_outlives_its_kernel(
                     "alice", "bob"]
                 assert len(set(jobs["owner"])) >= 1 and "teaching" in jobs["team"]
                 assert sorted(set(model(doc, "cluster-slots").data["job"])) == ["alice", "bob"]
+                # the teacher's view: both teams' shares of slot-time, in the page and the
+                # snapshot; a third job waits, and says for how long
+                wait_for(lambda: sorted(model(doc, "cluster-teams").data["team"]) == [
+                    "default", "teaching"], 30, "both teams in the fair-share table")
+                waits = bob.submit(Regression(), world_size=1, steps=5, name="bob-waits",
+                                   checkpoint=None)
+                wait_for(lambda: any(w["name"] == "bob-waits" and w["waiting_s"] > 0.5
+                                     for w in bob.snapshot()["waiting"]), 60, "a waiting job")
+                with page(bob.page().url) as now:  # a page opened now shows it waiting
+                    queue = model(now, "nbtrain-queue").text
+                    assert "bob-waits" in queue and "waiting" in queue, queue
+                snap = bob.snapshot()
+                shares = {t["team"]: t for t in snap["teams"]}
+                assert shares["teaching"]["slot_s"] > 0 and shares["default"]["slot_s"] > 0
+                assert sum(t["share"] for t in snap["teams"]) == pytest.approx(1.0)
+                assert shares["default"]["waiting"] == 1
+                assert sum(st["jobs"] for st in snap["students"]) == 3
+                assert any(line["text"].startswith("worker ") and line["text"].endswith(
+                    " joined") for line in snap["log_lines"]), snap["log_lines"]
+                waits.stop()
             # Alice's kernel is gone; her page (with her ticket) still updates, and steers.
             with page(alice_url) as doc:
                 rows = len(model(doc, "steptime-r0").data["step"])

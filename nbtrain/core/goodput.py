@@ -65,6 +65,10 @@ class GoodputLedger:
     def phase(self) -> str:
         return self._phase
 
+    def in_phase_s(self, now: float) -> float:
+        """Seconds since the job entered its current phase (a queued job: this wait)."""
+        return max(0.0, now - self._since)
+
     def enter(self, phase: str, now: float) -> None:
         """The job moved to ``phase`` at ``now``."""
         if phase not in PHASES:

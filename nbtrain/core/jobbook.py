@@ -139,7 +139,8 @@ class JobBook:
         self._buckets: dict[int, dict[str, list[JobRecord]]] = {}  # priority -> team -> by seq
         self._n_queued = 0
         self._next_num = 0
-        self._fair = FairShare(self.config.weight, self.config.fair_share_half_life_s)
+        self._fair = FairShare(self.config.weight, self.config.fair_share_half_life_s,
+                               self.config.share_window_s)
         self._rng = np.random.default_rng(self.config.seed)
         self._cap_cache: dict[tuple[int, int], int] = {}
         self._avail: SlotState | None = None  # the backfill view during a pass
@@ -205,6 +206,14 @@ class JobBook:
     def team_usage(self) -> dict[str, float]:
         """Undecayed slot-seconds held per team so far."""
         return dict(self._fair.total)
+
+    def team_window(self, now: float) -> dict[str, tuple[float, float]]:
+        """Per team that held slots: (slot-seconds over the last ``share_window_s`` before
+        ``now``, its weight); teams with jobs here that never held a slot count 0."""
+        used = self._fair.window_usage(now)
+        for j in self._jobs.values():
+            used.setdefault(j.req.team, 0.0)
+        return {team: (slot_s, self.config.weight(team)) for team, slot_s in used.items()}
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the bookkeeping breaks a guarantee (used by tests)."""

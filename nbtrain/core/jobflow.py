@@ -156,7 +156,7 @@ def resize_decided(job: LiveJob, placement: Placement, reason: str, *, now: floa
 
 
 def preempted_for(job: LiveJob, reason: str, *, for_job: str | None, grace_s: float,
-                  now: float, out: Outbox) -> None:
+                  now: float, out: Outbox, by: LiveJob | None = None) -> None:
     """The scheduler preempts the running job (for ``for_job``): it checkpoints at the next
     step boundary and releases its slots within ``grace_s``. A generation ending anyway (a
     lost worker, a failure, a stop or another preemption) is left to end; the scheduler
@@ -166,7 +166,10 @@ def preempted_for(job: LiveJob, reason: str, *, for_job: str | None, grace_s: fl
         return
     job.preempt = Preemption(cause="scheduler", reason=reason, deadline=now + grace_s,
                              for_job=for_job)
-    out.publish_cluster(job_line_event("preemption", job.id, f"{job.name} preempted: {reason}"))
+    out.publish_cluster(job_line_event(
+        "preemption", job.id, f"{job.name} preempted: {reason}", name=job.name, by=for_job,
+        by_name=None if by is None else by.name, priority=job.spec.priority,
+        by_priority=None if by is None else by.spec.priority))
     out.set_control(job, preempt=1)
     out.set_state(job, JobState.STOPPING, f"{reason}: checkpointing at the next step boundary, "
                                           f"then releasing its slots (grace {grace_s:.0f} s)")

@@ -118,6 +118,7 @@ class JobStatus:
     target_size: int  # the size asked for (``world_size`` until a resize asks for another)
     resize_note: str  # why a resize the user asked for has not happened yet ("" if none)
     knob_seq: int = 0  # the newest knob change accepted (``core.knobs``)
+    waiting_s: float = 0.0  # a queued job: seconds in this wait so far (0 otherwise)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
@@ -301,6 +302,8 @@ class LiveJob:
             size=self.gen.size if self.gen is not None and self.state.holds_slots else 0,
             min_size=self.spec.bounds[0], max_size=self.spec.bounds[1],
             target_size=self.plan.target, resize_note=self.plan.note, knob_seq=self.knobs.seq,
+            waiting_s=(self.ledger.in_phase_s(now) if self.state is JobState.QUEUED
+                       and self.ledger.phase == "queued" else 0.0),
         )
 
 

@@ -203,6 +203,10 @@ class JobMachine:
         """Slot-seconds held per team so far (the scheduler's fair-share ledger)."""
         return {} if self.sched is None else self.sched.team_usage()
 
+    def team_window(self, now: float) -> dict[str, tuple[float, float]]:
+        """Per team: slot-seconds over the scheduler's recent window, and its weight."""
+        return {} if self.sched is None else self.sched.team_window(now)
+
     def validate(self) -> None:
         """``AssertionError`` naming every broken invariant of the machine (see
         :mod:`nbtrain.core.invariants`) and of its gang scheduler; run by the tests after
@@ -733,7 +737,8 @@ class JobMachine:
             self._sched_later.append(Released(self.now, job.id, avoid=frozenset()))
             return
         jobflow.preempted_for(job, d.reason, for_job=d.for_job, grace_s=d.grace_s,
-                              now=self.now, out=self._out)
+                              now=self.now, out=self._out,
+                              by=None if d.for_job is None else self._jobs.get(d.for_job))
 
     # ================================================================== requests
     def _on_request(self, ev: UserRequest) -> None:

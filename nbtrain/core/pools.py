@@ -192,6 +192,14 @@ class DevicePools:
         for pool in self.pools.values():
             pool.check_invariants()
 
+    def team_window(self, now: float) -> dict[str, tuple[float, float]]:
+        """Every pool's (``JobBook.team_window``), slot-seconds summed over the pools."""
+        out: dict[str, tuple[float, float]] = {}
+        for pool in self.pools.values():
+            for team, (used, weight) in pool.team_window(now).items():
+                out[team] = (out.get(team, (0.0, weight))[0] + used, weight)
+        return out
+
     def team_usage(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for pool in self.pools.values():

@@ -281,6 +281,8 @@ class SchedulerConfig:
     fair_share_half_life_s: how fast past usage is forgotten (default 7 days, Slurm's
         default); it should be several times the horizon over which shares are expected to
         hold: with a half-life of one day, shares measured over that day drift by several %.
+    share_window_s: the recent window over which the class view reports each team's share
+        of slot-time (``team_window``); it changes no decision.
     max_wait_s: a job queued this long goes first among its priority, whatever its team's
         usage, so fair share never starves it.
     preempt_grace_s: time a victim gets to checkpoint and release; should exceed the time to
@@ -302,6 +304,7 @@ class SchedulerConfig:
     fair_share: bool = True
     team_weights: Mapping[str, float] = field(default_factory=dict)
     fair_share_half_life_s: float = 7 * 86400.0
+    share_window_s: float = 600.0
     max_wait_s: float | None = 12 * 3600.0
     preempt_grace_s: float = 120.0
     restart_cost_s: float = 60.0
@@ -323,6 +326,9 @@ class SchedulerConfig:
             raise ValueError(
                 f"fair_share_half_life_s must be > 0, got {self.fair_share_half_life_s!r}"
             )
+        if not (self.share_window_s > 0 and math.isfinite(self.share_window_s)):
+            raise ValueError(f"share_window_s must be a positive number of seconds, got "
+                             f"{self.share_window_s!r}")
         if self.preempt_grace_s < 0 or self.restart_cost_s < 0:
             raise ValueError("preempt_grace_s and restart_cost_s must be >= 0")
 

@@ -31,7 +31,7 @@ __all__ = ["PUBLIC_FIELDS", "Role", "may_read_metrics", "public_event", "refusal
 PUBLIC_FIELDS = frozenset({
     "job_id", "name", "owner", "team", "priority", "world_size", "steps", "state",
     "generation", "slots", "submitted", "started", "ended", "size", "min_size", "max_size",
-    "target_size"})
+    "target_size", "waiting_s"})
 
 
 class Role(enum.Enum):

@@ -138,7 +138,8 @@ class ClusterController(SchedulerPlugin):
                           host_exclusion_s=s.host_exclusion_s,
                           worker_return_s=s.worker_return_s, slot_forget_s=s.slot_forget_s),
             SchedulerConfig(team_weights=s.team_weight_map(), preempt_grace_s=s.preempt_grace_s,
-                            min_resize_interval_s=s.resize_interval_s),
+                            min_resize_interval_s=s.resize_interval_s,
+                            share_window_s=s.share_window_s),
         )
         self.assets: dict[str, JobAssets] = {}
         self.seals = RankSeals()
@@ -791,6 +792,11 @@ class ClusterController(SchedulerPlugin):
 
     def team_usage(self) -> dict[str, float]:
         return self.machine.team_usage()
+
+    def team_window(self) -> tuple[float, dict[str, tuple[float, float]]]:
+        """The recent window's length and, per team, its slot-seconds in it and its weight."""
+        return (self.machine.sched_config.share_window_s,
+                self.machine.team_window(time.monotonic()))
 
     def decision_ms(self) -> dict[str, Any]:
         """The machine's decision times and the inbox's slices (``cluster.snapshot()``)."""

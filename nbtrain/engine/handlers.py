@@ -23,11 +23,13 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from nbtrain.config import CLIENT_ONLY, Settings
+from nbtrain.core.clusterevents import cluster_log_lines
 from nbtrain.core.explain import resume_rejected
 from nbtrain.core.job import JobState
 from nbtrain.core.jobevents import state_event
 from nbtrain.core.lifecycle_types import Rejected, Submitted
 from nbtrain.core.machine_events import REQUEST_KINDS, request_from_wire
+from nbtrain.core.teamshare import jobs_per_student, team_shares, waiting_jobs
 from nbtrain.engine import rank_handlers
 from nbtrain.engine.access import (
     Role,
@@ -457,11 +459,18 @@ def cluster_snapshot(ctl: ControllerPort, log_from: int = 0, token: str = "",
     """Slots, queue, jobs (as the caller may see them), team usage and the cluster's log
     (what ``Cluster.snapshot()`` and the class view show)."""
     at, log = ctl.cluster_log.since(log_from, 1_000)
-    return {"slots": ctl.slots(), "queue": ctl.queue(),
+    jobs = _listing(ctl, token, tokens)
+    queue = ctl.queue()
+    window_s, window = ctl.team_window()
+    return {"slots": ctl.slots(), "queue": queue,
             "pending_workers": ctl.pending_workers,
-            "jobs": _listing(ctl, token, tokens),
+            "jobs": jobs,
             "team_usage": ctl.team_usage(),
-            "log_at": at, "log": log, "decision_ms": ctl.decision_ms()}
+            # what a teacher reads (the class page's tables): nbtrain.core.teamshare
+            "share_window_s": window_s, "teams": team_shares(window, jobs),
+            "waiting": waiting_jobs(jobs, queue), "students": jobs_per_student(jobs),
+            "log_at": at, "log": log, "log_lines": cluster_log_lines(log, jobs),
+            "decision_ms": ctl.decision_ms()}
 
 
 async def view(ctl: ControllerPort, *, job_id: str | None = None,

@@ -15,6 +15,7 @@ from typing import Any
 import ipywidgets as widgets
 
 from nbtrain.core.job import status_progress
+from nbtrain.core.teamshare import duration
 from nbtrain.ui.display import dashboard_hz, resolve_display
 from nbtrain.ui.poller import Poller
 from nbtrain.ui.slots import fit_slot_figure, slot_columns, slot_figure, slot_figure_height
@@ -41,6 +42,20 @@ def slot_rows(cluster: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Plot columns for every slot, and the jobs (status dicts), from one consistent
     snapshot of the cluster's controller."""
     return slot_columns(cluster.snapshot())
+
+
+def team_lines(teams: list[dict[str, Any]], window_s: float) -> list[str]:
+    """Each team's share of slot-time over the recent window against its weight's share
+    (``snapshot()["teams"]``), one line each."""
+    if not teams:
+        return []
+    out = [f"fair share over the last {duration(window_s)}:" if window_s else "fair share:"]
+    for t in teams:
+        ratio = "" if t.get("ratio") is None else f" (got / fair {float(t['ratio']):.2f})"
+        out.append(f"  team {t['team']} (weight {float(t['weight']):g}): fair share "
+                   f"{float(t['fair_share']):.0%}, got {float(t['share']):.0%}{ratio}; "
+                   f"{t['running']} running, {t['waiting']} waiting")
+    return out
 
 
 def jobs_html(jobs: list[dict[str, Any]]) -> str:
@@ -78,8 +93,9 @@ class ClusterDashboard(widgets.VBox):
         self.plot = BokehModel(self.figure)
         self.header = widgets.HTML()
         self.jobs = widgets.HTML()
+        self.teams = widgets.HTML()
         self._last: tuple[Any, ...] = ()
-        super().__init__([self.header, self.plot, self.jobs])
+        super().__init__([self.header, self.plot, self.jobs, self.teams])
         self.add_class("nbtrain-cluster")
         self.poller = Poller(self.refresh, dashboard_hz(rate_hz), name="cluster view")
         self._draw(cols, jobs)
@@ -88,8 +104,13 @@ class ClusterDashboard(widgets.VBox):
 
     def refresh(self) -> bool:
         """Redraw when slots, owners or jobs changed; False once the cluster is closed."""
-        cols, jobs = slot_rows(self.cluster)
+        snap = self.cluster.snapshot()
+        cols, jobs = slot_columns(snap)
         self._draw(cols, jobs)
+        lines = team_lines(list(snap.get("teams") or ()), float(snap.get("share_window_s") or 0))
+        text = "<br>".join(html.escape(line).replace("  ", "&nbsp;&nbsp;") for line in lines)
+        if self.teams.value != text:
+            self.teams.value = text
         return not getattr(self.cluster, "_closed", False)
 
     def _draw(self, cols: dict[str, Any], jobs: list[dict[str, Any]]) -> None:
@@ -123,7 +144,10 @@ class ClusterText:
     """A plain-text snapshot of the cluster for headless runs (printed by its repr)."""
 
     def __init__(self, cluster: Any) -> None:
-        self.cols, self.jobs = slot_rows(cluster)
+        snap = cluster.snapshot()
+        self.cols, self.jobs = slot_columns(snap)
+        self.teams = team_lines(list(snap.get("teams") or ()),
+                                float(snap.get("share_window_s") or 0))
 
     def __repr__(self) -> str:
         lines = []
@@ -136,4 +160,5 @@ class ClusterText:
             step = status_progress(j)
             lines.append(f"job {j['name']}: {j['state']} step {step} "
                          f"({j['world_size']} ranks, owner {j['owner']}): {j['reason']}")
+        lines += self.teams
         return "\n".join(lines) or "no slots"

@@ -119,12 +119,12 @@ class JobDashboard(widgets.VBox):
         self.split_plot = PhaseSplitPlot(width=330)
         self.loss_plot = MetricPlot("loss", width=520)
         self.rate_plot = ThroughputPlot(width=330)
-        self.marks = GenerationMarks([self.step_plot.figure, self.loss_plot.figure,
+        self.marks = GenerationMarks([self.step_plot.figure, *self.loss_plot.figures,
                                       self.rate_plot.figure])
-        self.knob_marks = KnobMarks([self.loss_plot.figure, self.rate_plot.figure])
+        self.knob_marks = KnobMarks([*self.loss_plot.figures, self.rate_plot.figure])
         self.plots = BokehModel(column(
             row(self.step_plot.figure, self.split_plot.figure),
-            row(self.loss_plot.figure, self.rate_plot.figure),
+            row(self.loss_plot.view, self.rate_plot.figure),
         ))
 
         self.header = widgets.HTML()

@@ -79,9 +79,9 @@ class JobPage:
         self.split_plot = PhaseSplitPlot(width=340)
         self.loss_plot = MetricPlot("loss", width=560)
         self.rate_plot = ThroughputPlot(width=340)
-        self.marks = GenerationMarks([self.step_plot.figure, self.loss_plot.figure,
+        self.marks = GenerationMarks([self.step_plot.figure, *self.loss_plot.figures,
                                       self.rate_plot.figure])
-        self.knob_marks = KnobMarks([self.loss_plot.figure, self.rate_plot.figure])
+        self.knob_marks = KnobMarks([*self.loss_plot.figures, self.rate_plot.figure])
         self.header = Div(text="", name="nbtrain-header", sizing_mode="stretch_width")
         self.message = Div(text="", name="nbtrain-message")
         self.checkpoint = Div(text="", width=340, name="nbtrain-checkpoint-panel")
@@ -98,7 +98,7 @@ class JobPage:
             self.header, controls, *([self.knobs.layout] if self.knobs else []),
             row(self.checkpoint, self.alerts), self.phase,
             row(self.step_plot.figure, self.split_plot.figure),
-            row(self.loss_plot.figure, self.rate_plot.figure),
+            row(self.loss_plot.view, self.rate_plot.figure),
             name="nbtrain-job-page")
         self.refresh()
 

@@ -28,8 +28,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from bokeh.models import AdaptiveTicker, ColumnDataSource, HoverTool, LinearColorMapper
+from bokeh.layouts import column
+from bokeh.models import (
+    AdaptiveTicker,
+    ColumnDataSource,
+    CustomJS,
+    HoverTool,
+    LinearColorMapper,
+)
 from bokeh.models.annotations import ColorBar
+from bokeh.models.widgets.groups import RadioButtonGroup
 from bokeh.palettes import Category10, Viridis256
 from bokeh.plotting import figure
 from bokeh.transform import transform
@@ -330,23 +338,77 @@ class WholeRun:
         self.source.data = {k: list(v) for k, v in self.data.items()}
 
 
+#: The y-axis scales a metric plot offers, in the order of its toggle's buttons.
+SCALES = ("linear", "log")
+
+#: Runs in the browser (served page, widget and the standalone report alike): show the
+#: figure of the chosen scale, hide the other.
+_SCALE_JS = "linear.visible = cb_obj.active == 0; log.visible = cb_obj.active == 1;"
+
+
 class MetricPlot:
     """One scalar from rank 0's metrics (e.g. the loss) against the step, over the whole
-    run (:class:`WholeRun`, ``window`` points at most)."""
+    run (:class:`WholeRun`, ``window`` points at most), on a linear or a log y axis.
+
+    A loss falls by orders of magnitude, so on a linear axis it is a flat line at the
+    bottom after the first few dozen steps: ``scale="log"`` (the default) draws it on a log
+    axis. Both figures share one source and one x range; the toggle (``scale_toggle``, in
+    ``view``) shows one of them, in the browser, so it works in a static report too. A
+    value <= 0 cannot sit on a log axis: the first one switches the plot to linear, unless
+    the viewer has chosen the scale on the toggle."""
 
     def __init__(self, key: str, *, window: int = 2000, width: int = 420,
-                 height: int = 220) -> None:
+                 height: int = 220, scale: str = "log") -> None:
+        if scale not in SCALES:
+            raise ValueError(f"scale must be one of {', '.join(SCALES)}, got {scale!r}")
         self.key = key
         self.window = window
         self._last_gen: dict[int, int] = {}
         self.source = ColumnDataSource({"step": [], "value": [], "generation": []},
                                        name=f"metric-{key}")
         self.run = WholeRun(self.source, "value", window)
-        self.figure = _figure(key, width, height, x_axis_label="step")
-        line = self.figure.line(x="step", y="value", source=self.source, color="#d62728",
-                                line_width=1.5)
-        self.figure.add_tools(HoverTool(renderers=[line], tooltips=[
-            ("step", "@step"), ("generation", "@generation"), (key, "@value{0.0000}")]))
+        self.figure = _figure(key, width, height, x_axis_label="step",
+                              name=f"metric-{key}-linear")
+        self.log_figure = _figure(f"{key} (log scale)", width, height, x_axis_label="step",
+                                  y_axis_type="log", x_range=self.figure.x_range,
+                                  name=f"metric-{key}-log")
+        for fig in self.figures:
+            line = fig.line(x="step", y="value", source=self.source, color="#d62728",
+                            line_width=1.5)
+            fig.add_tools(HoverTool(renderers=[line], tooltips=[
+                ("step", "@step"), ("generation", "@generation"), (key, "@value{0.0000}")]))
+        self.scale_toggle = RadioButtonGroup(labels=list(SCALES), active=SCALES.index(scale),
+                                             name=f"metric-{key}-scale", width=140)
+        self.scale_toggle.js_on_change("active", CustomJS(
+            args={"linear": self.figure, "log": self.log_figure}, code=_SCALE_JS))
+        self._shown = scale  # what this plot last chose (the viewer may have chosen since)
+        self._show(scale)
+        self.view = column(self.scale_toggle, self.figure, self.log_figure,
+                           name=f"metric-{key}-view")
+
+    @property
+    def figures(self) -> tuple[Any, Any]:
+        """The linear and the log figure (marks go on both)."""
+        return (self.figure, self.log_figure)
+
+    @property
+    def scale(self) -> str:
+        """The scale shown now (the toggle's, so also the viewer's choice on a served page)."""
+        return SCALES[int(self.scale_toggle.active or 0)]
+
+    def set_scale(self, scale: str) -> None:
+        if scale not in SCALES:
+            raise ValueError(f"scale must be one of {', '.join(SCALES)}, got {scale!r}")
+        self._shown = scale
+        self._show(scale)
+
+    def _show(self, scale: str) -> None:
+        index = SCALES.index(scale)
+        if self.scale_toggle.active != index:
+            self.scale_toggle.active = index
+        for fig, visible in ((self.figure, index == 0), (self.log_figure, index == 1)):
+            if fig.visible != visible:
+                fig.visible = visible
 
     def add(self, rows: Iterable[Row]) -> int:
         cols: dict[str, Any] = {"step": [], "value": [], "generation": []}
@@ -360,6 +422,10 @@ class MetricPlot:
             cols["step"].append(int(row[STEP]))
             cols["value"].append(float(value))
             cols["generation"].append(int(row[GEN]))
+        # the viewer's own choice (the toggle moved since this plot last set it) is kept
+        if (self._shown == "log" and self.scale == "log"
+                and any(v <= 0 for v in cols["value"])):
+            self.set_scale("linear")
         self.run.add(cols)
         return len(cols["step"])
 

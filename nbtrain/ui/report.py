@@ -126,13 +126,13 @@ def write_report(job: Any, path: str, *, max_steps: int = 5000, alerts: int = 20
     for plot in (step_plot, split, loss, rate):
         plot.add(rows)
     log = _fold_events(job)
-    GenerationMarks([step_plot.figure, loss.figure, rate.figure]).add(
+    GenerationMarks([step_plot.figure, *loss.figures, rate.figure]).add(
         rows, log.describe_generation)
     events = list(job.events)
-    KnobMarks([loss.figure, rate.figure]).add(events)
-    layout = column(row(step_plot.figure, split.figure), row(loss.figure, rate.figure))
+    KnobMarks([*loss.figures, rate.figure]).add(events)
+    layout = column(row(step_plot.figure, split.figure), row(loss.view, rate.figure))
     script, div = components(layout)
-    resources = Resources(mode="inline", components=["bokeh"])
+    resources = Resources(mode="inline", components=["bokeh", "bokeh-widgets"])  # the scale toggle
 
     alert_rows = "".join(
         f"<tr class='{a.level}'><td class='l'>"
