@@ -42,7 +42,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import replace
 
 from nbtrain.core import clusterevents as ce
-from nbtrain.core import jobflow, knobflow, progress
+from nbtrain.core import departing, jobflow, knobflow, progress
 from nbtrain.core.explain import (
     describe_fault,
     gpu_shared_reason,
@@ -80,6 +80,7 @@ from nbtrain.core.lifecycle_types import (
     Submitted,
     Tick,
     WorkerJoined,
+    WorkerLeaving,
     WorkerLeft,
 )
 from nbtrain.core.machine_events import KnobChangeRequested, RankEvent, SizeRequested, UserRequest
@@ -162,7 +163,9 @@ class JobMachine:
         elif isinstance(event, WorkerJoined):
             self._on_worker_joined(event)
         elif isinstance(event, WorkerLeft):
-            self._on_worker_left(event.address)
+            self._on_worker_left(event.address, event.cause)
+        elif isinstance(event, WorkerLeaving):
+            self._on_worker_leaving(event)
         elif isinstance(event, HangDiagnosed):
             self._on_hang_diagnosed(event)
         elif isinstance(event, ControllerFailed):
@@ -178,6 +181,10 @@ class JobMachine:
     def job_ids(self) -> list[str]:
         """Known jobs in submit order."""
         return list(self._jobs)
+
+    def live_jobs(self) -> list[LiveJob]:
+        """Jobs with a generation (read-only: for views such as ``departing.ranks_on``)."""
+        return list(self._live.values())
 
     def forget(self, job_id: str) -> None:
         """Drop an ended job's record (the engine keeps a bounded history)."""
@@ -444,31 +451,32 @@ class JobMachine:
                 if job is not None and job.state is JobState.QUEUED:
                     self._admit(job)
 
-    def _on_worker_left(self, address: str) -> None:
+    def _on_worker_left(self, address: str, cause: str = "") -> None:
         rec = self.book.leave(address)
         if rec is None:
             return
         slot = rec.slot
         self._out.publish_cluster(ce.worker_left_event(slot=slot, address=address, host=rec.host,
                                                     restarting=self.book.restarting(slot)))
-        hit: list[LiveJob] = []
-        for job in self._live.values():
-            gen = job.gen
-            if gen is None or slot not in gen.slots:
-                continue
-            rank = gen.slots.index(slot)
-            if rank in gen.outcomes or rank in gen.failures:
-                continue
-            self._record_failure(gen, rank, RankFailureInfo(
-                error=f"worker {address} left the cluster (its process died)",
+        hit = departing.ranks_on(list(self._live.values()), slot)
+        for job, rank in hit:
+            assert job.gen is not None
+            self._record_failure(job.gen, rank, RankFailureInfo(
+                error=f"worker {address} left the cluster ({cause or 'its process died'})",
                 traceback="(no traceback: the worker process is gone)", host=rec.host,
                 step=job.step, when=self.wall, peer=False, lost_worker=True))
-            self._out.add(Cancel(job.id, gen.number, (rank,)))
-            hit.append(job)
+            self._out.add(Cancel(job.id, job.gen.number, (rank,)))
         self._take_offline([slot])
-        for job in hit:
+        for job, _ in hit:
             if job.gen is not None and job.gen.finished():
                 self._end_generation(job)
+
+    def _on_worker_leaving(self, ev: WorkerLeaving) -> None:
+        slot = self.inventory.slot_of(ev.address)  # see nbtrain.core.departing
+        if slot is not None:
+            departing.leaving(self._live.values(), slot, ev.reason, now=self.now,
+                              grace_s=self.sched_config.preempt_grace_s, out=self._out)
+            self._take_offline([slot])
 
     def _take_offline(self, slots: Iterable[str]) -> None:
         if self.sched is None:

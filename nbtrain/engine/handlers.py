@@ -76,6 +76,7 @@ def install(ctl: ControllerPort, scheduler: Any) -> None:
         "nbtrain_result": functools.partial(result, ctl),
         "nbtrain_rendezvous": functools.partial(rendezvous, ctl),
         "nbtrain_control": functools.partial(control, ctl),
+        "nbtrain_autoscale": functools.partial(autoscale, ctl),
     }
     for name, fn in table.items():
         scheduler.handlers[name] = _replying(fn)
@@ -97,6 +98,21 @@ def _replying(fn: Callable[..., Awaitable[dict[str, Any]]]
 
     handler.__name__ = getattr(fn, "__name__", "nbtrain_handler")
     return handler
+
+
+# ====================================================================== cluster managers
+async def autoscale(ctl: ControllerPort, *, minimum: int = 0, maximum: int | None = None,
+                    idle_s: float = 60.0, kind: str = "cpu") -> dict[str, Any]:
+    """nbtrain's adaptive policy (:mod:`nbtrain.core.autoscale`) for a cluster manager:
+    ``target`` workers, the ``retire`` names that may go, the jobs ``asked`` for and the
+    ``reasons``. Read-only: anyone who can scale the cluster may ask."""
+    from nbtrain.core.autoscale import AutoscaleSettings
+
+    d = ctl.autoscale(AutoscaleSettings(minimum=int(minimum),
+                                        maximum=None if maximum is None else int(maximum),
+                                        idle_s=float(idle_s), kind=str(kind)))
+    return {"target": d.target, "retire": list(d.retire), "asked": list(d.asked),
+            "reserved": d.reserved, "reasons": list(d.reasons)}
 
 
 # ====================================================================== clients
