@@ -64,3 +64,11 @@ def test_queue_demand_beyond_the_slots_asks_for_more() -> None:
 def test_settings_name_the_problem(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
         AutoscaleSettings(**bad)  # type: ignore[arg-type]
+
+
+def test_a_leaving_slot_is_replaced_early_and_never_offered() -> None:
+    slots = [SlotUse("w0", busy=False, idle_since=0.0), SlotUse("bye", busy=False,
+                                                               leaving=True)]
+    d = decide(slots, [Waiting("a", 2)], _s(maximum=3), now=1e6)
+    assert d.target == 3 and "bye" not in d.retire and d.reserved == 1
+    assert decide(slots, [Waiting("a", 2)], _s(maximum=2), now=1e6).target == 2

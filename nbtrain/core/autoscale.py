@@ -16,6 +16,9 @@ Guarantees (``tests/test_autoscale.py``):
   slots for a blocked head): every free slot up to the needs of the waiting gangs that can
   ever run under ``maximum`` counts as reserved, also while the gang waits for busy slots
   to free rather than for new workers.
+- **Leaving slots are replaced early.** A worker that announced it is leaving (walltime,
+  SIGTERM) still counts toward the target but gives no capacity, so its replacement is
+  asked for while the job checkpoints (within ``maximum``); it is never offered to retire.
 - **Idle delay.** A free slot nobody waits for is offered only after it was idle for
   ``idle_s``, oldest idle first; the target never drops below ``minimum``.
 """
@@ -64,6 +67,7 @@ class SlotUse:
     name: str
     busy: bool
     idle_since: float = 0.0
+    leaving: bool = False  # announced it is leaving: no capacity, still running
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,8 @@ def decide(slots: list[SlotUse], waiting: list[Waiting], settings: AutoscaleSett
     """The workers to run for ``slots`` (online, of the served kind) and the ``waiting``
     jobs (queued, of that kind, in queue order) at ``now``; see the module docstring."""
     cap = math.inf if settings.maximum is None else settings.maximum
+    n_leaving = sum(1 for s in slots if s.leaving)
+    slots = [s for s in slots if not s.leaving]
     busy = sum(1 for s in slots if s.busy)
     demand = busy
     asked: list[str] = []
@@ -116,5 +122,6 @@ def decide(slots: list[SlotUse], waiting: list[Waiting], settings: AutoscaleSett
     target = int(min(target, max(cap, busy + reserved)))  # never below what is used
     n_retire = max(0, len(slots) - target)
     retire = tuple(s.name for s in old[:n_retire])
+    target = int(min(target + n_leaving, max(cap, target)))
     return AutoscaleDecision(target=target, retire=retire, asked=tuple(asked),
                              reserved=reserved, reasons=tuple(reasons))

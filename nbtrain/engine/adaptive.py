@@ -65,10 +65,22 @@ class QueueAdaptive(Adaptive):
             self.last = {}
             return len(self.plan)
         self._warned = False
+        await self._forget_departed(list(reply.get("departed", ())))
         self.last = dict(reply)
         self.rounds += 1
         self.most_reserved = max(self.most_reserved, int(reply.get("reserved", 0)))
         return int(reply["target"])
+
+    async def _forget_departed(self, names: list[Any]) -> None:
+        """Drop workers that announced they leave and have gone (a walltime, a SIGTERM)
+        from the cluster manager's plan, so it counts them no more and starts replacements:
+        Dask's ``SpecCluster`` keeps a worker in its plan until it is scaled down."""
+        gone = [n for n in self.plan if n in set(names)]
+        scale_down = getattr(self.cluster, "scale_down", None)
+        if gone and scale_down is not None:
+            result = scale_down(gone)
+            if hasattr(result, "__await__"):
+                await result
 
     async def workers_to_close(self, target: int) -> list[Any]:
         """The idle slots the controller offered, as the cluster manager names them."""

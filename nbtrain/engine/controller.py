@@ -191,6 +191,10 @@ class ClusterController(SchedulerPlugin):
         self._memory_killed: dict[str, str] = {}
         #: When each free slot was first seen free by the autoscaling policy (monotonic).
         self._idle_since: dict[str, float] = {}
+        #: Names of workers that announced they leave (by address), and of those gone since
+        #: (the adaptive policy drops them from the cluster manager's plan).
+        self._leaving_names: dict[str, Any] = {}
+        self.departed: set[Any] = set()
         try:
             self.pages = pages.attach(scheduler)
         except Exception:  # the pages are a view: never keep the controller from starting
@@ -524,6 +528,8 @@ class ClusterController(SchedulerPlugin):
             return
         now, wall = self.now()
         self._idle_since.pop(worker, None)
+        if worker in self._leaving_names:
+            self.departed.add(self._leaving_names.pop(worker))
         self.put(WorkerLeft(now, wall, worker, cause=self._memory_killed.pop(worker, "")))
 
     async def _admit_worker(self, address: str) -> None:
@@ -728,7 +734,9 @@ class ClusterController(SchedulerPlugin):
     def worker_leaving(self, address: str, reason: str) -> None:
         """A worker is about to be retired (``nbtrain.engine.departures``): the machine
         preempts a job with a rank there and takes its slot out of the schedule."""
-        if address in self.scheduler.workers:
+        ws = self.scheduler.workers.get(address)
+        if ws is not None:
+            self._leaving_names[address] = ws.name
             now, wall = self.now()
             self.put(WorkerLeaving(now, wall, address, reason))
 
@@ -737,6 +745,11 @@ class ClusterController(SchedulerPlugin):
         self.inbox.drain()
         slot = self.machine.inventory.slot_of(address)
         return slot is not None and bool(ranks_on(self.machine.live_jobs(), slot))
+
+    def take_departed(self) -> list[Any]:
+        """Names of workers that announced they leave and have gone (once each)."""
+        out, self.departed = list(self.departed), set()
+        return out
 
     def autoscale(self, settings: AutoscaleSettings) -> AutoscaleDecision:
         """What nbtrain's adaptive policy says for this cluster now
@@ -748,10 +761,13 @@ class ClusterController(SchedulerPlugin):
         for address, ws in list(self.scheduler.workers.items()):
             slot = self.machine.inventory.slot_of(address)
             view = owners.get(slot) if slot is not None else None
-            if view is None:  # joining (labels being read) or refused: counted, never idle
-                uses.append(SlotUse(str(ws.name), busy=True))
+            if view is None:  # joining (its labels being read): free, and idle from now
+                uses.append(SlotUse(str(ws.name), busy=False, idle_since=now))
                 continue
-            if view["device"] != settings.kind or view["state"] == "offline":
+            if view["device"] != settings.kind:
+                continue
+            if view["state"] == "offline":  # announced it is leaving (still connected)
+                uses.append(SlotUse(str(ws.name), busy=False, leaving=True))
                 continue
             busy = view["job"] is not None or self.slot_busy(address)
             if busy:
@@ -769,13 +785,12 @@ class ClusterController(SchedulerPlugin):
         order = served + [j for j in self.machine.job_ids() if j not in set(served)]
         out: list[tuple[str, JobState, str, int]] = []
         for job_id in order:
-            status = self.machine.status(job_id)
-            if status.state is not JobState.QUEUED:
+            if self.machine.status(job_id).state != JobState.QUEUED.value:
                 continue
             spec = self.assets[job_id].spec if job_id in self.assets else None
             kind = (self.machine.sched.kind_of(job_id) if self.machine.sched is not None
                     else "") or (spec.device if spec is not None else "auto")
-            out.append((job_id, status.state, kind, spec.bounds[0] if spec else 1))
+            out.append((job_id, JobState.QUEUED, kind, spec.bounds[0] if spec else 1))
         return out
 
     def _sealed(self, msg: Mapping[str, Any]) -> bool:

@@ -105,14 +105,16 @@ async def autoscale(ctl: ControllerPort, *, minimum: int = 0, maximum: int | Non
                     idle_s: float = 60.0, kind: str = "cpu") -> dict[str, Any]:
     """nbtrain's adaptive policy (:mod:`nbtrain.core.autoscale`) for a cluster manager:
     ``target`` workers, the ``retire`` names that may go, the jobs ``asked`` for and the
-    ``reasons``. Read-only: anyone who can scale the cluster may ask."""
+    ``reasons``, and the names of workers that announced they leave and have gone since the
+    last call (``departed``: for the cluster manager to drop from its plan)."""
     from nbtrain.core.autoscale import AutoscaleSettings
 
     d = ctl.autoscale(AutoscaleSettings(minimum=int(minimum),
                                         maximum=None if maximum is None else int(maximum),
                                         idle_s=float(idle_s), kind=str(kind)))
+    departed = ctl.take_departed()
     return {"target": d.target, "retire": list(d.retire), "asked": list(d.asked),
-            "reserved": d.reserved, "reasons": list(d.reasons)}
+            "reserved": d.reserved, "reasons": list(d.reasons), "departed": departed}
 
 
 # ====================================================================== clients
