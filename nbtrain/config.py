@@ -172,6 +172,10 @@ class Settings:
     #: checkpoints and moves to other slots (``nbtrain.engine.departures``); at least
     #: ``preempt_grace_s``. Keep dask-jobqueue's ``--lifetime`` this much below the walltime.
     retire_wait_s: float = 120.0
+    #: A worker near its memory limit that leaves: how long the controller waits for Dask's
+    #: nanny to say it killed it for memory (its event races the worker's own connection),
+    #: so the fault's cause names the memory limit rather than a lost worker.
+    exit_cause_wait_s: float = 0.5
 
     #: A rank's output (print, logging, warnings) reaches the notebook at up to this many lines
     #: per second on average (bursts of 200); the rest is counted as dropped.

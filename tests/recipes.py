@@ -369,3 +369,13 @@ def launch_secrets_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> di
         ctx.report(loss=1.0)
     return {"launch_tokens": [o.settings.operator_token for o in launches],
             "launches": len(launches), "environ": dict(os.environ)}
+
+
+def memory_hog_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> None:
+    """Holds ``config["mb"]`` more MB every step (touched, so resident) until the worker's
+    memory limit ends it."""
+    held = []
+    for _ in range(config.get("steps", 1000)):
+        held.append(torch.ones(config["mb"] * (1 << 20) // 8, dtype=torch.float64))
+        time.sleep(config.get("step_sleep", 0.2))
+        ctx.report(held_mb=len(held) * config["mb"])

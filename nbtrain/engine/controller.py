@@ -91,6 +91,7 @@ from nbtrain.core.machine_events import RankCheckpoint, RankSteps, UnknownKind, 
 from nbtrain.core.rankseal import RankSeals
 from nbtrain.core.sched_types import SchedulerConfig
 from nbtrain.engine.assets import PLUGIN_NAME, JobAssets, token_hash
+from nbtrain.engine.departures import memory_high
 from nbtrain.engine.figures import decision_figures
 from nbtrain.engine.inbox import Inbox
 from nbtrain.engine.joblog import JobLog, Tail
@@ -189,6 +190,8 @@ class ClusterController(SchedulerPlugin):
         departures.install(self, scheduler, wait_s=s.retire_wait_s)
         #: Workers Dask's nanny killed for memory: address -> the fault's cause.
         self._memory_killed: dict[str, str] = {}
+        #: Workers whose last heartbeat reported at least half their memory limit.
+        self._memory_high: set[str] = set()
         #: When each free slot was first seen free by the autoscaling policy (monotonic).
         self._idle_since: dict[str, float] = {}
         #: Names of workers that announced they leave (by address), and of those gone since
@@ -507,6 +510,7 @@ class ClusterController(SchedulerPlugin):
             try:
                 now, wall = self.now()
                 self.put(Tick(now, wall))
+                self._memory_high = memory_high(self.scheduler.workers)
                 if now - self._last_journal >= self.settings.journal_interval_s:
                     self._last_journal = now
                     for job_id in self.machine.job_ids():
@@ -530,6 +534,18 @@ class ClusterController(SchedulerPlugin):
         self._idle_since.pop(worker, None)
         if worker in self._leaving_names:
             self.departed.add(self._leaving_names.pop(worker))
+        if worker in self._memory_high and worker not in self._memory_killed:
+            # Near its memory limit: the nanny's event saying it killed the worker for
+            # memory may still be on its way (it races the worker's own connection).
+            self._spawn(self._worker_left_later(worker))
+            return
+        self.put(WorkerLeft(now, wall, worker, cause=self._memory_killed.pop(worker, "")))
+
+    async def _worker_left_later(self, worker: str) -> None:
+        deadline = time.monotonic() + self.settings.exit_cause_wait_s
+        while worker not in self._memory_killed and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        now, wall = self.now()
         self.put(WorkerLeft(now, wall, worker, cause=self._memory_killed.pop(worker, "")))
 
     async def _admit_worker(self, address: str) -> None:

@@ -21,12 +21,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Departures", "install", "memory_cause"]
+__all__ = ["Departures", "install", "memory_cause", "memory_high"]
 
 #: How often the wrapper looks whether a leaving worker's ranks are out.
 POLL_S = 0.05
@@ -114,3 +114,18 @@ def memory_cause(address: str, rss: Any, limit: Any, fraction: Any) -> str:
             "workers per machine, or make the rank use less (a smaller batch or model)")
 
 
+
+
+def memory_high(workers: Mapping[str, Any], share: float = 0.5) -> set[str]:
+    """Workers whose last heartbeat reported process memory of at least ``share`` of their
+    Dask memory limit: if one leaves, the nanny may be killing it for memory."""
+    out = set()
+    for address, ws in workers.items():
+        limit = getattr(ws, "memory_limit", 0) or 0
+        try:
+            used = ws.memory.process
+        except Exception:  # no heartbeat yet
+            continue
+        if limit and used >= share * limit:
+            out.add(address)
+    return out
