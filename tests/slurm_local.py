@@ -14,9 +14,11 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 #: How long the daemons get to answer ``sinfo`` with an idle node.
 START_TIMEOUT_S = 60.0
@@ -157,3 +159,21 @@ class LocalSlurm:
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = self._old_conf
+
+
+def slurm_cluster(root: Path, lifetime_file: Path) -> Any:
+    """A ``SLURMCluster`` as a user would write one, plus a prologue that gives the first
+    batch job to start (only that one) a lifetime: it takes the file away."""
+    (root / "logs").mkdir(exist_ok=True)
+    import dask_jobqueue
+
+    return dask_jobqueue.SLURMCluster(
+        cores=1, processes=1, memory="1GiB", walltime="00:10:00", queue="debug",
+        python=sys.executable, log_directory=str(root / "logs"),
+        local_directory=str(root / "scratch"),
+        scheduler_options={"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"},
+        worker_extra_args=["--host", "127.0.0.1", "--lifetime",
+                           "${NBTRAIN_TEST_LIFETIME:-0}", "--lifetime-stagger", "0s"],
+        job_script_prologue=[
+            f"if mv {lifetime_file} {lifetime_file}.$SLURM_JOB_ID 2>/dev/null; then "
+            f"export NBTRAIN_TEST_LIFETIME=$(cat {lifetime_file}.$SLURM_JOB_ID); fi"])

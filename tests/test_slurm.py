@@ -7,7 +7,6 @@ worker and a new one Slurm starts, and ends with an uninterrupted run's paramete
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import nbtrain
 from nbtrain import JobState
 from tests.conftest import wait_for
 from tests.recipes import Regression, assert_params_equal, single_process_params
-from tests.slurm_local import LocalSlurm, SlurmMissing
+from tests.slurm_local import LocalSlurm, SlurmMissing, slurm_cluster
 
 jobqueue = pytest.importorskip("dask_jobqueue", reason="dask-jobqueue is not installed "
                                "(pip install -e '.[dev]')")
@@ -34,22 +33,6 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
         pytest.skip(f"no Slurm here: {exc}")
     yield s
     s.stop()
-
-
-def slurm_cluster(root: Path, lifetime_file: Path) -> object:
-    """A ``SLURMCluster`` as a user would write one, plus a prologue that gives the first
-    batch job to start (only that one) a lifetime: it takes the file away."""
-    (root / "logs").mkdir(exist_ok=True)
-    return jobqueue.SLURMCluster(
-        cores=1, processes=1, memory="1GiB", walltime="00:10:00", queue="debug",
-        python=sys.executable, log_directory=str(root / "logs"),
-        local_directory=str(root / "scratch"),
-        scheduler_options={"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"},
-        worker_extra_args=["--host", "127.0.0.1", "--lifetime",
-                           "${NBTRAIN_TEST_LIFETIME:-0}", "--lifetime-stagger", "0s"],
-        job_script_prologue=[
-            f"if mv {lifetime_file} {lifetime_file}.$SLURM_JOB_ID 2>/dev/null; then "
-            f"export NBTRAIN_TEST_LIFETIME=$(cat {lifetime_file}.$SLURM_JOB_ID); fi"])
 
 
 def test_slurm_scales_from_zero_and_a_walltime_is_a_preemption(

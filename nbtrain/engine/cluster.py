@@ -232,7 +232,8 @@ class Cluster:
         from nbtrain.engine.adaptive import QueueAdaptive
 
         manager = self._cluster_manager("adapt")
-        return manager.adapt(Adaptive=QueueAdaptive, minimum=minimum,
+        cls = kwargs.pop("Adaptive", QueueAdaptive)  # a subclass of it, e.g. to observe
+        return manager.adapt(Adaptive=cls, minimum=minimum,
                              maximum=math.inf if maximum is None else maximum,
                              idle_s=idle_s, kind=kind, **kwargs)
 
