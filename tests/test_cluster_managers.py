@@ -30,21 +30,22 @@ def test_connect_takes_a_cluster_manager_and_scales_from_the_queue(
         assert cluster.manager is manager and len(cluster.slots) == 0
         adaptive = cluster.adapt(minimum=0, maximum=3, idle_s=0.5, interval="100ms",
                                  wait_count=2)
-        # From 0 workers: a 2-rank gang (A) and a 1-rank job (C) are asked for whole.
+        # From 0 workers: a 2-rank gang (A) and a 1-rank job (C) are asked for whole; B (2
+        # ranks) does not fit beside them under maximum=3 and waits.
         a = cluster.submit(Regression(step_sleep=0.05), world_size=2, steps=100_000,
                            name="a", checkpoint=None)
         c = cluster.submit(Regression(), world_size=1, steps=5, name="c", checkpoint=None)
-        assert c.wait(90) is JobState.SUCCEEDED, c.error
-        wait_for(lambda: a.status is JobState.RUNNING, 90, "A running")
-        # C's slot is free now; B (2 ranks) waits for one of A's: the free slot is
-        # reserved for B and stays while Dask's adapt looks again and again.
         b = cluster.submit(Regression(out_dir=str(tmp_path)), world_size=2, steps=8,
                            name="b", checkpoint=None)
+        assert c.wait(90) is JobState.SUCCEEDED, c.error
+        wait_for(lambda: a.status is JobState.RUNNING, 90, "A running")
+        # C's slot is free now and B waits for one of A's: the free slot is reserved for B
+        # and stays while Dask's adapt looks again and again.
         wait_for(lambda: adaptive.last.get("reserved") == 1, 30, "B's reserved slot")
         seen = adaptive.rounds
         wait_for(lambda: adaptive.rounds >= seen + 10, 30, "ten more adapt rounds")
         assert len(manager.scheduler_info["workers"]) == 3
-        assert b.status is JobState.QUEUED and adaptive.most_reserved == 1
+        assert b.status is JobState.QUEUED
         a.stop()
         assert b.wait(90) is JobState.SUCCEEDED, b.error
         assert_params_equal(tmp_path, single_process_params(8))
