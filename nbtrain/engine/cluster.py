@@ -609,7 +609,12 @@ def connect(address: str | Client | DaskCluster | None = None, *, n_workers: int
     client.register_plugin(ClusterController(  # the token stays here; its hash goes there
         controller_settings, operator_hash=token_hash(token) if token else ""))
     client.register_plugin(NbtrainWorker(quiet=settings.quiet_workers))
-    client.register_plugin(NbtrainNanny())
+    try:  # SIGTERM as a retirement; nannies of an older nbtrain cannot load it: go on
+        client.register_plugin(NbtrainNanny())
+    except Exception as exc:
+        logging.getLogger(__name__).warning(
+            "nbtrain: the nanny plugin (SIGTERM checkpoints first) could not be registered "
+            "on this cluster's nannies: %s: %s", type(exc).__name__, exc)
     if local is not None:
         client.wait_for_workers(len(local.worker_spec), timeout=120)
     cluster = Cluster(client, local=local, owns_client=owns, settings=settings,
