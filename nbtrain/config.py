@@ -170,6 +170,15 @@ class Settings:
     slot_forget_s: float = _MACHINE.slot_forget_s
     #: How long the controller waits for a nanny to kill a worker it restarts.
     worker_restart_timeout_s: float = 30.0
+    #: A worker that is retired (a cluster manager scaling down, its lifetime/walltime, a
+    #: SIGTERM) while it runs a rank is held back this long at most while its job
+    #: checkpoints and moves to other slots (``nbtrain.engine.departures``); at least
+    #: ``preempt_grace_s``. Keep dask-jobqueue's ``--lifetime`` this much below the walltime.
+    retire_wait_s: float = 120.0
+    #: A worker near its memory limit that leaves: how long the controller waits for Dask's
+    #: nanny to say it killed it for memory (its event races the worker's own connection),
+    #: so the fault's cause names the memory limit rather than a lost worker.
+    exit_cause_wait_s: float = 0.5
 
     #: A rank's output (print, logging, warnings) reaches the notebook at up to this many lines
     #: per second on average (bursts of 200); the rest is counted as dropped.
@@ -339,6 +348,10 @@ def _incoherent(s: Settings) -> list[str]:
         out.append(f"worker_return_s ({s.worker_return_s:g}) must not exceed slot_forget_s "
                    f"({s.slot_forget_s:g}): a restarted worker's slot would be forgotten before "
                    "it is given up")
+    if s.retire_wait_s < s.preempt_grace_s:
+        out.append(f"retire_wait_s ({s.retire_wait_s:g}) must be at least preempt_grace_s "
+                   f"({s.preempt_grace_s:g}): a leaving worker would go before its job's "
+                   "checkpoint had its grace")
     if s.control_poll_s > s.preempt_grace_s:
         out.append(f"control_poll_s ({s.control_poll_s:g}) must not exceed preempt_grace_s "
                    f"({s.preempt_grace_s:g}): a preempted job would not hear of it in time")

@@ -36,7 +36,7 @@ class Regression(nbtrain.Recipe):
 
     def __init__(self, out_dir: str | None = None, batch: int = 32, raise_at: int | None = None,
                  raise_rank: int = 1, step_sleep: float = 0.0, wait_file: str | None = None,
-                 lr: float = 0.05) -> None:
+                 lr: float = 0.05, slow_until: str | None = None) -> None:
         self.out_dir = out_dir
         self.batch = batch
         self.raise_at = raise_at
@@ -44,6 +44,7 @@ class Regression(nbtrain.Recipe):
         self.step_sleep = step_sleep
         self.wait_file = wait_file
         self.lr = lr
+        self.slow_until = slow_until  # step_sleep applies until this file exists
 
     def setup(self, ctx: nbtrain.RankContext) -> dict[str, Any]:
         if self.wait_file is not None:
@@ -57,7 +58,7 @@ class Regression(nbtrain.Recipe):
     def step(self, ctx: nbtrain.RankContext, batch: Any) -> dict[str, float]:
         if self.raise_at is not None and ctx.rank == self.raise_rank and ctx.step == self.raise_at:
             raise ValueError(f"injected failure at step {ctx.step}")
-        if self.step_sleep:
+        if self.step_sleep and not (self.slow_until and os.path.exists(self.slow_until)):
             time.sleep(self.step_sleep)
         x, y = batch
         loss = F.mse_loss(self.model(x), y)
@@ -368,3 +369,13 @@ def launch_secrets_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> di
         ctx.report(loss=1.0)
     return {"launch_tokens": [o.settings.operator_token for o in launches],
             "launches": len(launches), "environ": dict(os.environ)}
+
+
+def memory_hog_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> None:
+    """Holds ``config["mb"]`` more MB every step (touched, so resident) until the worker's
+    memory limit ends it."""
+    held = []
+    for _ in range(config.get("steps", 1000)):
+        held.append(torch.ones(config["mb"] * (1 << 20) // 8, dtype=torch.float64))
+        time.sleep(config.get("step_sleep", 0.2))
+        ctx.report(held_mb=len(held) * config["mb"])

@@ -175,6 +175,24 @@ def preempted_for(job: LiveJob, reason: str, *, for_job: str | None, grace_s: fl
                                           f"then releasing its slots (grace {grace_s:.0f} s)")
 
 
+def leaving(job: LiveJob, *, slot: str, reason: str, rank: int, grace_s: float, now: float,
+            out: Outbox) -> None:
+    """The worker of ``rank`` is about to leave (walltime, SIGTERM, retirement): the job
+    checkpoints at the next step boundary and is queued again on other slots, as for a
+    straggler's replacement; no committed step is lost. A generation ending anyway is left
+    to end."""
+    gen = job.gen
+    if gen is None or gen.failing or job.preempt is not None or job.stop_requested:
+        return
+    why = f"the worker of rank {rank} is leaving ({reason})"
+    job.preempt = Preemption(cause="leaving", reason=why, deadline=now + grace_s, slot=slot)
+    out.publish_cluster(job_line_event("preemption", job.id, f"{job.name} preempted: {why}"))
+    out.set_control(job, preempt=1)
+    out.set_state(job, JobState.STOPPING, f"{why}: checkpointing at the next step boundary, "
+                                          f"then queued again on other slots (grace "
+                                          f"{grace_s:.0f} s)")
+
+
 # ====================================================================== requests
 def request(job: LiveJob, ev: UserRequest, *, now: float, grace_s: float, scheduled: bool,
             out: Outbox) -> Next:
@@ -345,6 +363,12 @@ def _preempted(job: LiveJob, gen: Generation, step: int, now: float, avoid: froz
                 f"{step}" if uncommitted else f"checkpointed at step {step} and released its slots")
         out.set_state(job, JobState.PREEMPTED, f"{done}; resume() to continue")
         return Suspend(now, job.id)
+    if pre.cause == "leaving":
+        job.queue_note = f"moved off a leaving worker at step {step}"
+        job.ledger.enter("queued", now)
+        out.set_state(job, JobState.QUEUED, f"{job.queue_note}: waiting for slots")
+        gone = {pre.slot} if pre.slot else set()
+        return Released(now, job.id, avoid=frozenset(gone | avoid))
     if pre.cause == "replace":
         job.recovering = f"replacing a straggler ({pre.reason})"
         job.queue_note = job.recovering

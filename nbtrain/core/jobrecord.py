@@ -32,11 +32,12 @@ CONTROL_FLAGS = ("stop", "preempt", "checkpoint", "halt")
 class Preemption:
     """Why the current generation is being ended to free its slots."""
 
-    cause: str  # "user" (job.preempt), "scheduler" (a higher-priority job), "replace"
+    cause: str  # "user" (job.preempt), "scheduler" (a higher-priority job), "replace",
+    #            "leaving" (its worker is about to leave: walltime, SIGTERM, retirement)
     reason: str
     deadline: float  # monotonic; past it the ranks are stopped without their checkpoint
     for_job: str | None = None
-    slot: str | None = None  # replace: the slow slot to stay off
+    slot: str | None = None  # replace / leaving: the slot to stay off
 
 
 @dataclass

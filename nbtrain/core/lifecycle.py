@@ -42,12 +42,11 @@ from collections.abc import Hashable, Iterable
 from dataclasses import replace
 
 from nbtrain.core import clusterevents as ce
-from nbtrain.core import jobflow, knobflow, progress
+from nbtrain.core import departing, jobflow, knobflow, progress
 from nbtrain.core.explain import (
     describe_fault,
     gpu_shared_reason,
     labels_refused_reason,
-    queue_head_reason,
     rejected_reason,
     resize_rejected,
     slot_forgotten_reason,
@@ -80,6 +79,7 @@ from nbtrain.core.lifecycle_types import (
     Submitted,
     Tick,
     WorkerJoined,
+    WorkerLeaving,
     WorkerLeft,
 )
 from nbtrain.core.machine_events import KnobChangeRequested, RankEvent, SizeRequested, UserRequest
@@ -88,6 +88,7 @@ from nbtrain.core.mitigation import SlotInfo
 from nbtrain.core.outbox import Outbox
 from nbtrain.core.placement import Placement
 from nbtrain.core.pools import CPU, GPU, DevicePools
+from nbtrain.core.queuenotes import queue_reasons, slot_counts
 from nbtrain.core.sched_types import (
     Cancelled,
     Checkpointed,
@@ -159,10 +160,8 @@ class JobMachine:
             self._on_submitted(event.job)
         elif isinstance(event, UserRequest):
             self._on_request(event)
-        elif isinstance(event, WorkerJoined):
-            self._on_worker_joined(event)
-        elif isinstance(event, WorkerLeft):
-            self._on_worker_left(event.address)
+        elif isinstance(event, WorkerJoined | WorkerLeft | WorkerLeaving):
+            self._on_worker_event(event)
         elif isinstance(event, HangDiagnosed):
             self._on_hang_diagnosed(event)
         elif isinstance(event, ControllerFailed):
@@ -183,6 +182,10 @@ class JobMachine:
     def job_ids(self) -> list[str]:
         """Known jobs in submit order."""
         return list(self._jobs)
+
+    def live_jobs(self) -> list[LiveJob]:
+        """Jobs with a generation (read-only: for views such as ``departing.ranks_on``)."""
+        return list(self._live.values())
 
     def forget(self, job_id: str) -> None:
         """Drop an ended job's record (the engine keeps a bounded history)."""
@@ -281,10 +284,7 @@ class JobMachine:
         return self.sched.kind_of(job.id) if self.sched is not None else ""
 
     def _slot_counts(self, kind: str) -> tuple[int, int]:
-        """(slots ever seen, slots restarting) of ``kind``; counted by kind only where kinds
-        mix, so a one-kind cluster pays what it paid before."""
-        by_kind = self.sched is not None and self.sched.kinds() not in ([], [kind])
-        return self.book.counts(kind, by_kind)
+        return slot_counts(self.sched, self.book, kind)
 
     def _unit(self, kind: str) -> str:
         return unit(kind, self.sched.kinds() if self.sched is not None else [])
@@ -385,37 +385,22 @@ class JobMachine:
                                unit=self._unit(self._kind_of(job)), out=self._out)
 
     def _explain_queue(self) -> None:
-        """Say why each queued job waits: the head of its kind's queue needs more free slots
-        than there are; the others wait behind it."""
+        """Say why each queued job waits (:mod:`nbtrain.core.queuenotes`)."""
         self._queue_dirty = False
-        if self.sched is None:
-            return
-        heads: dict[str, tuple[str, str]] = {}  # device kind -> (head's name, why)
-        for job_id in self.sched.queued():
-            job = self._jobs.get(job_id)
-            if job is None or job.state is not JobState.QUEUED:
-                continue
-            kind = self.sched.kind_of(job_id)
-            head_name, head_why = heads.get(kind, ("", ""))
-            if not head_name:
-                why = self._head_reason(job, kind)
-                heads[kind] = (job.name, why)
-            else:
-                why = f"waiting behind job {head_name} ({head_why})"
-            reason = f"{job.queue_note}: {why}" if job.queue_note else why
-            self._out.set_state(job, JobState.QUEUED, reason)
-
-    def _head_reason(self, job: LiveJob, kind: str) -> str:
-        assert self.sched is not None
-        online = self.sched.online_of(kind)
-        total, restarting = self._slot_counts(kind)
-        return queue_head_reason(
-            need=job.spec.world_size, unit=self._unit(kind), free=self.sched.free_of(kind),
-            online=online, restarting=restarting, offline=total - online - restarting,
-            releasing=(j.name for j in self._live.values()
-                       if j.preempt is not None and j.preempt.for_job == job.id))
+        if self.sched is not None:
+            for job, reason in queue_reasons(self.sched, self._jobs, self._live.values(),
+                                             self.book):
+                self._out.set_state(job, JobState.QUEUED, reason)
 
     # ================================================================== workers
+    def _on_worker_event(self, event: WorkerJoined | WorkerLeft | WorkerLeaving) -> None:
+        if isinstance(event, WorkerJoined):
+            self._on_worker_joined(event)
+        elif isinstance(event, WorkerLeft):
+            self._on_worker_left(event.address, event.cause)
+        else:
+            self._on_worker_leaving(event)
+
     def _on_worker_joined(self, ev: WorkerJoined) -> None:
         sharing = self.book.sharing(ev.gpu)
         if sharing is not None and sharing.address != ev.address:
@@ -454,31 +439,32 @@ class JobMachine:
                 if job is not None and job.state is JobState.QUEUED:
                     self._admit(job)
 
-    def _on_worker_left(self, address: str) -> None:
+    def _on_worker_left(self, address: str, cause: str = "") -> None:
         rec = self.book.leave(address)
         if rec is None:
             return
         slot = rec.slot
         self._out.publish_cluster(ce.worker_left_event(slot=slot, address=address, host=rec.host,
                                                     restarting=self.book.restarting(slot)))
-        hit: list[LiveJob] = []
-        for job in self._live.values():
-            gen = job.gen
-            if gen is None or slot not in gen.slots:
-                continue
-            rank = gen.slots.index(slot)
-            if rank in gen.outcomes or rank in gen.failures:
-                continue
-            self._record_failure(gen, rank, RankFailureInfo(
-                error=f"worker {address} left the cluster (its process died)",
+        hit = departing.ranks_on(list(self._live.values()), slot)
+        for job, rank in hit:
+            assert job.gen is not None
+            self._record_failure(job.gen, rank, RankFailureInfo(
+                error=f"worker {address} left the cluster ({cause or 'its process died'})",
                 traceback="(no traceback: the worker process is gone)", host=rec.host,
                 step=job.step, when=self.wall, peer=False, lost_worker=True))
-            self._out.add(Cancel(job.id, gen.number, (rank,)))
-            hit.append(job)
+            self._out.add(Cancel(job.id, job.gen.number, (rank,)))
         self._take_offline([slot])
-        for job in hit:
+        for job, _ in hit:
             if job.gen is not None and job.gen.finished():
                 self._end_generation(job)
+
+    def _on_worker_leaving(self, ev: WorkerLeaving) -> None:
+        slot = self.inventory.slot_of(ev.address)  # see nbtrain.core.departing
+        if slot is not None:
+            departing.leaving(self._live.values(), slot, ev.reason, now=self.now,
+                              grace_s=self.sched_config.preempt_grace_s, out=self._out)
+            self._take_offline([slot])
 
     def _take_offline(self, slots: Iterable[str]) -> None:
         if self.sched is None:

@@ -43,6 +43,7 @@ __all__ = [
     "Submitted",
     "Tick",
     "WorkerJoined",
+    "WorkerLeaving",
     "WorkerLeft",
 ]
 
@@ -194,6 +195,20 @@ class WorkerLeft:
     now: float
     wall: float
     address: str
+    #: Why its process went, where the shell knows (Dask's memory limit); "" = it died.
+    cause: str = ""
+
+
+@dataclass(frozen=True)
+class WorkerLeaving:
+    """A worker is about to leave (its batch job's walltime, a pod's SIGTERM, a
+    ``retire_workers``): its slot takes no new rank, and a job running a rank there is
+    preempted, checkpoint first, and queued again on other slots. ``reason`` says why."""
+
+    now: float
+    wall: float
+    address: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -229,7 +244,7 @@ class ControllerFailed:
 #: Users' requests and ranks' messages are typed per kind in
 #: :mod:`nbtrain.core.machine_events` (``UserRequest``, ``RankEvent`` and their kinds).
 Event = (Submitted | UserRequest | RankEvent | RankExit | WorkerJoined | WorkerLeft
-         | HangDiagnosed | Tick | ControllerFailed)
+         | WorkerLeaving | HangDiagnosed | Tick | ControllerFailed)
 
 
 # ---------------------------------------------------------------------------------- commands

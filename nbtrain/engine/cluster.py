@@ -12,6 +12,7 @@ import contextlib
 import getpass
 import html
 import logging
+import math
 import os
 import secrets
 import tempfile
@@ -24,6 +25,7 @@ from typing import Any
 import cloudpickle
 import dask.config
 from distributed import Client, LocalCluster
+from distributed.deploy import Cluster as DaskCluster
 
 from nbtrain.config import Settings
 from nbtrain.core.checkpoint_policy import parse_checkpoint_setting
@@ -43,7 +45,7 @@ from nbtrain.engine.tokens import TokenStore
 from nbtrain.engine.topoview import TopologyView
 from nbtrain.engine.trackers import Tracker, TrackerSpec, split_trackers
 from nbtrain.engine.wire import plain, submission_to_wire
-from nbtrain.engine.workers import NbtrainWorker
+from nbtrain.engine.workers import NbtrainNanny, NbtrainWorker
 from nbtrain.runtime.function import TrainFunction
 from nbtrain.runtime.script_work import ScriptWork, load_script
 
@@ -70,9 +72,12 @@ class Cluster:
 
     def __init__(self, client: Client, *, local: LocalCluster | None = None,
                  owns_client: bool = False, settings: Settings | None = None,
-                 operator_token: str = "") -> None:
+                 operator_token: str = "", manager: DaskCluster | None = None) -> None:
         self.settings = settings or Settings.load()
         self._local = local
+        #: The Dask cluster manager behind the client (the embedded cluster, or the one
+        #: given to ``connect``), which ``scale``/``adapt`` act through; None for an address.
+        self.manager: DaskCluster | None = local if local is not None else manager
         self._owns_client = owns_client
         self._remote = Remote(client, operator_token)
         self._follower = Follower(self._remote)
@@ -210,11 +215,39 @@ class Cluster:
         return handle
 
     def scale(self, n: int) -> None:
-        """Change the number of workers of an embedded cluster (slots join or leave)."""
-        if self._local is None:
-            raise RuntimeError("scale() works on an embedded cluster; scale yours with its own "
-                               "deployment tools (dask-jobqueue, dask-kubernetes, ...)")
-        self._local.scale(n)
+        """Ask the cluster manager for ``n`` workers (slots join or leave). Workers that
+        leave while they run a rank take their jobs through the preemption path first
+        (checkpoint, then queued again on other slots; ``nbtrain.engine.departures``)."""
+        self._cluster_manager("scale").scale(n)
+
+    def adapt(self, *, minimum: int = 0, maximum: int | None = None, idle_s: float = 60.0,
+              kind: str = "cpu", **kwargs: Any) -> Any:
+        """Scale from nbtrain's queue (:class:`nbtrain.engine.adaptive.QueueAdaptive`): the
+        cluster manager is asked for the whole gangs queued jobs of ``kind`` need (up to
+        ``maximum`` workers), never retires a slot that runs a rank or that a waiting gang
+        needs, and retires a free slot after ``idle_s``. Other keywords go to Dask's
+        ``Adaptive`` (``interval``, ``wait_count``). Returns the ``Adaptive``; ``.stop()``
+        it to scale by hand again. Dask's own ``adapt()`` without ``Adaptive=`` sizes from
+        Dask tasks and cannot see nbtrain's queue."""
+        from nbtrain.engine.adaptive import QueueAdaptive
+
+        manager = self._cluster_manager("adapt")
+        cls = kwargs.pop("Adaptive", QueueAdaptive)  # a subclass of it, e.g. to observe
+        return manager.adapt(Adaptive=cls, minimum=minimum,
+                             maximum=math.inf if maximum is None else maximum,
+                             idle_s=idle_s, kind=kind, **kwargs)
+
+    def _cluster_manager(self, what: str) -> DaskCluster:
+        if self.manager is None:
+            raise RuntimeError(
+                f"{what}() needs the cluster manager, and this Cluster was connected by "
+                "address or Client: pass the manager itself, connect(SLURMCluster(...)) or "
+                "connect(KubeCluster(...)), or scale it with its own tools")
+        if type(self.manager).scale is DaskCluster.scale:
+            raise RuntimeError(f"{what}() is not supported by {type(self.manager).__name__}: "
+                               "it cannot add or remove workers (Dask's Cluster.scale is "
+                               "not implemented there); scale it with its own tools")
+        return self.manager
 
     def dashboard(self, display: str | None = None, **options: Any) -> Any:
         """The class view: slots by host and NVLink domain coloured by job, every client's
@@ -447,8 +480,30 @@ class Cluster:
         snap = self.snapshot()
         online = [s for s in snap["slots"] if s["state"] in ("free", "held")]
         free = [s for s in online if s["state"] == "free"]
+        memory = self.memory_limit_text()
         return (f"<nbtrain.Cluster {self.address} slots={len(online)} free={len(free)} "
-                f"jobs={len(snap['jobs'])}>")
+                f"jobs={len(snap['jobs'])}" + (f" memory_limit={memory}" if memory else "")
+                + ">")
+
+    def memory_limits(self) -> dict[str, int | None]:
+        """Each worker's Dask memory limit in bytes (None: no limit). Dask's nanny kills a
+        worker whose process passes ``distributed.worker.memory.terminate`` (95%) of it; a
+        rank killed so fails with a cause that says it (``job.faults``)."""
+        workers = self.client.scheduler_info(n_workers=-1)["workers"]
+        return {a: (int(w["memory_limit"]) or None) if w.get("memory_limit") else None
+                for a, w in workers.items()}
+
+    def memory_limit_text(self) -> str:
+        """The per-worker memory limit, for reprs: "2.0GiB", "none", "1.0-2.0GiB" ("" when
+        there are no workers)."""
+        limits = set(self.memory_limits().values())
+        if not limits:
+            return ""
+        if None in limits:
+            return "none" if len(limits) == 1 else "mixed"
+        lo, hi = min(limits), max(limits)  # type: ignore[type-var]
+        gib = (lambda n: f"{n / 2**30:.1f}")  # noqa: E731
+        return f"{gib(lo)}GiB" if lo == hi else f"{gib(lo)}-{gib(hi)}GiB"
 
     def _repr_html_(self) -> str:
         snap = self.snapshot()
@@ -466,17 +521,19 @@ class Cluster:
             for j in snap["jobs"]
         )
         free = sum(1 for s in online if s["state"] == "free")
+        memory = self.memory_limit_text()
         return (
             f"<div><b>nbtrain cluster</b> at {html.escape(self.address)}: "
             f"{len(online)} slots, {free} free, {len(snap['jobs'])} jobs"
-            f"<table><tr><th>slot (worker)</th><th>host</th><th>job</th></tr>{rows}</table>"
+            + (f", memory limit per worker {html.escape(memory)}" if memory else "")
+            + f"<table><tr><th>slot (worker)</th><th>host</th><th>job</th></tr>{rows}</table>"
             + (f"<table><tr><th>job</th><th>state</th><th>step</th><th>owner</th>"
                f"<th>reason</th></tr>{job_rows}</table>" if snap["jobs"] else "")
             + "</div>"
         )
 
 
-def connect(address: str | Client | None = None, *, n_workers: int | None = None,
+def connect(address: str | Client | DaskCluster | None = None, *, n_workers: int | None = None,
             settings: Settings | None = None, operator_token: str | None = None,
             security: Any = None, gpus: bool | Sequence[str] | None = None,
             **cluster_kwargs: Any) -> Cluster:
@@ -491,6 +548,10 @@ def connect(address: str | Client | None = None, *, n_workers: int | None = None
       ``security=`` a ``distributed.Security``; an embedded cluster takes it too).
     - ``connect(client)``: an existing ``distributed.Client`` (left open on close), e.g. of a
       dask-jobqueue or dask-kubernetes cluster.
+    - ``connect(cluster)``: any Dask cluster manager (``LocalCluster``, dask-jobqueue's
+      ``SLURMCluster``/``PBSCluster``, dask-kubernetes' ``KubeCluster``): a client of it, and
+      ``Cluster.scale``/``Cluster.adapt`` act through it (left running on close; closing it
+      is its owner's).
 
     ``operator_token``: steer every job and submit above the priority ceiling (default:
     ``Settings.operator_token``). The first client to connect starts the controller with its
@@ -499,12 +560,17 @@ def connect(address: str | Client | None = None, *, n_workers: int | None = None
     settings = settings or Settings.load()
     token = settings.operator_token if operator_token is None else operator_token
     local: LocalCluster | None = None
-    if isinstance(address, Client):
+    manager: DaskCluster | None = None
+    if isinstance(address, DaskCluster):
+        manager = address
+        client, owns = Client(manager, security=security, set_as_default=False), True
+    elif isinstance(address, Client):
         client, owns = address, False
     elif isinstance(address, str):
         client, owns = Client(address, security=security, set_as_default=False), True
     elif address is not None:
-        raise TypeError(f"address must be a scheduler address, a Client or None, got {address!r}")
+        raise TypeError(f"address must be a scheduler address, a Client, a Dask cluster "
+                        f"manager (distributed.deploy.Cluster) or None, got {address!r}")
     else:
         gpu_ids = embedded_gpus(gpus, n_workers)
         n = len(gpu_ids) or (default_worker_count() if n_workers is None else n_workers)
@@ -543,11 +609,18 @@ def connect(address: str | Client | None = None, *, n_workers: int | None = None
     client.register_plugin(ClusterController(  # the token stays here; its hash goes there
         controller_settings, operator_hash=token_hash(token) if token else ""))
     client.register_plugin(NbtrainWorker(quiet=settings.quiet_workers))
+    try:  # SIGTERM as a retirement; nannies of an older nbtrain cannot load it: go on
+        client.register_plugin(NbtrainNanny())
+    except Exception as exc:
+        logging.getLogger(__name__).warning(
+            "nbtrain: the nanny plugin (SIGTERM checkpoints first) could not be registered "
+            "on this cluster's nannies: %s: %s", type(exc).__name__, exc)
     if local is not None:
         client.wait_for_workers(len(local.worker_spec), timeout=120)
     cluster = Cluster(client, local=local, owns_client=owns, settings=settings,
-                      operator_token=token)
-    cluster._wait_for_slots(len(local.worker_spec) if local is not None else 0)
+                      operator_token=token, manager=manager)
+    joined = len(client.scheduler_info(n_workers=-1)["workers"]) if manager is not None else 0
+    cluster._wait_for_slots(len(local.worker_spec) if local is not None else joined)
     return cluster
 
 

@@ -39,6 +39,13 @@ from typing import Any
 from distributed import Client, Future, SchedulerPlugin
 
 from nbtrain.config import Settings
+from nbtrain.core.autoscale import (
+    AutoscaleDecision,
+    AutoscaleSettings,
+    SlotUse,
+    Waiting,
+    decide,
+)
 from nbtrain.core.checkpoint_policy import parse_checkpoint_setting, preemption_commit_s
 from nbtrain.core.clusterevents import (
     abort_event,
@@ -49,7 +56,9 @@ from nbtrain.core.clusterevents import (
     shutdown_event,
     worker_refused_event,
 )
+from nbtrain.core.departing import ranks_on, waiting
 from nbtrain.core.health import hung_ranks, rank_stacks
+from nbtrain.core.job import JobState
 from nbtrain.core.jobevents import generation_of, tracker_event
 from nbtrain.core.lifecycle import JobMachine
 from nbtrain.core.lifecycle_types import (
@@ -75,12 +84,14 @@ from nbtrain.core.lifecycle_types import (
     Submitted,
     Tick,
     WorkerJoined,
+    WorkerLeaving,
     WorkerLeft,
 )
 from nbtrain.core.machine_events import RankCheckpoint, RankSteps, UnknownKind, rank_from_wire
 from nbtrain.core.rankseal import RankSeals
 from nbtrain.core.sched_types import SchedulerConfig
 from nbtrain.engine.assets import PLUGIN_NAME, JobAssets, token_hash
+from nbtrain.engine.departures import memory_high
 from nbtrain.engine.figures import decision_figures
 from nbtrain.engine.inbox import Inbox
 from nbtrain.engine.joblog import JobLog, Tail
@@ -123,7 +134,7 @@ class ClusterController(SchedulerPlugin):
 
     # ================================================================== lifecycle
     async def start(self, scheduler: Any) -> None:
-        from nbtrain.engine import handlers, pages
+        from nbtrain.engine import departures, handlers, pages
         from nbtrain.engine.tickets import ViewTicket
 
         if getattr(self, "scheduler", None) is scheduler:
@@ -176,6 +187,17 @@ class ClusterController(SchedulerPlugin):
         self._last_journal = -1e18
         self._restore()
         handlers.install(self, scheduler)
+        departures.install(self, scheduler, wait_s=s.retire_wait_s)
+        #: Workers Dask's nanny killed for memory: address -> the fault's cause.
+        self._memory_killed: dict[str, str] = {}
+        #: Workers whose last heartbeat reported at least half their memory limit.
+        self._memory_high: set[str] = set()
+        #: When each free slot was first seen free by the autoscaling policy (monotonic).
+        self._idle_since: dict[str, float] = {}
+        #: Names of workers that announced they leave (by address), and of those gone since
+        #: (the adaptive policy drops them from the cluster manager's plan).
+        self._leaving_names: dict[str, Any] = {}
+        self.departed: set[Any] = set()
         try:
             self.pages = pages.attach(scheduler)
         except Exception:  # the pages are a view: never keep the controller from starting
@@ -479,6 +501,7 @@ class ClusterController(SchedulerPlugin):
             try:
                 now, wall = self.now()
                 self.put(Tick(now, wall))
+                self._memory_high = memory_high(self.scheduler.workers)
                 if now - self._last_journal >= self.settings.journal_interval_s:
                     self._last_journal = now
                     for job_id in self.machine.job_ids():
@@ -498,7 +521,22 @@ class ClusterController(SchedulerPlugin):
             self._pending_workers.discard(worker)
             return
         now, wall = self.now()
-        self.put(WorkerLeft(now, wall, worker))
+        self._idle_since.pop(worker, None)
+        if worker in self._leaving_names:
+            self.departed.add(self._leaving_names.pop(worker))
+        if worker in self._memory_high and worker not in self._memory_killed:
+            # Near its memory limit: the nanny's event saying it killed the worker for
+            # memory may still be on its way (it races the worker's own connection).
+            self._spawn(self._worker_left_later(worker))
+            return
+        self.put(WorkerLeft(now, wall, worker, cause=self._memory_killed.pop(worker, "")))
+
+    async def _worker_left_later(self, worker: str) -> None:
+        deadline = time.monotonic() + self.settings.exit_cause_wait_s
+        while worker not in self._memory_killed and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        now, wall = self.now()
+        self.put(WorkerLeft(now, wall, worker, cause=self._memory_killed.pop(worker, "")))
 
     async def _admit_worker(self, address: str) -> None:
         """Read the worker's labels, then offer it as a slot."""
@@ -668,6 +706,9 @@ class ClusterController(SchedulerPlugin):
 
     # ================================================================== rank events
     def log_event(self, topic: str, msg: Any) -> None:
+        if topic == "worker-restart-memory" and isinstance(msg, Mapping):
+            self._note_memory_kill(msg)
+            return
         if topic != RANK_TOPIC or not isinstance(msg, Mapping) or not self._sealed(msg):
             return
         try:
@@ -679,6 +720,82 @@ class ClusterController(SchedulerPlugin):
                 now, wall = self.now()
                 self.put(ControllerFailed(now, wall, job_id, tb))
             logger.error("nbtrain controller: a rank event of job %s failed:\n%s", job_id, tb)
+
+    def _note_memory_kill(self, msg: Mapping[str, Any]) -> None:
+        """Dask's nanny is killing a worker for its memory (its ``worker-restart-memory``
+        event comes before the worker leaves): the fault of a rank there says so."""
+        import dask.config
+
+        from nbtrain.engine.departures import memory_cause
+
+        address = str(msg.get("worker"))
+        ws = self.scheduler.workers.get(address)
+        limit = getattr(ws, "memory_limit", None)
+        fraction = dask.config.get("distributed.worker.memory.terminate", 0.95)
+        self._memory_killed[address] = memory_cause(address, msg.get("rss"), limit, fraction)
+
+    # ================================================================== leaving workers
+    def worker_leaving(self, address: str, reason: str) -> None:
+        """A worker is about to be retired (``nbtrain.engine.departures``): the machine
+        preempts a job with a rank there and takes its slot out of the schedule."""
+        ws = self.scheduler.workers.get(address)
+        if ws is not None:
+            self._leaving_names[address] = ws.name
+            now, wall = self.now()
+            self.put(WorkerLeaving(now, wall, address, reason))
+
+    def slot_busy(self, address: str) -> bool:
+        """Whether a rank still runs on the worker at ``address``."""
+        self.inbox.drain()
+        slot = self.machine.inventory.slot_of(address)
+        return slot is not None and bool(ranks_on(self.machine.live_jobs(), slot))
+
+    def take_departed(self) -> list[Any]:
+        """Names of workers that announced they leave and have gone (once each)."""
+        out, self.departed = list(self.departed), set()
+        return out
+
+    def autoscale(self, settings: AutoscaleSettings) -> AutoscaleDecision:
+        """What nbtrain's adaptive policy says for this cluster now
+        (:mod:`nbtrain.core.autoscale`): the workers to run and the names that may retire."""
+        self.inbox.drain()
+        now = time.monotonic()
+        owners = {v["slot"]: v for v in self.machine.slots()}
+        uses: list[SlotUse] = []
+        for address, ws in list(self.scheduler.workers.items()):
+            slot = self.machine.inventory.slot_of(address)
+            view = owners.get(slot) if slot is not None else None
+            if view is None:  # joining (its labels being read): free, and idle from now
+                uses.append(SlotUse(str(ws.name), busy=False, idle_since=now))
+                continue
+            if view["device"] != settings.kind:
+                continue
+            if view["state"] == "offline":  # announced it is leaving (still connected)
+                uses.append(SlotUse(str(ws.name), busy=False, leaving=True))
+                continue
+            busy = view["job"] is not None or self.slot_busy(address)
+            if busy:
+                self._idle_since.pop(address, None)
+            since = self._idle_since.setdefault(address, now) if not busy else now
+            uses.append(SlotUse(str(ws.name), busy=busy, idle_since=since))
+        return decide(uses, [Waiting(j, need) for j, need in waiting(self._queued(),
+                                                                     settings.kind)],
+                      settings, now)
+
+    def _queued(self) -> list[tuple[str, JobState, str, int]]:
+        """Queued jobs in the order served, then those submitted before any slot existed:
+        ``(id, state, device kind or "auto", smallest gang)``."""
+        served = self.queue()
+        order = served + [j for j in self.machine.job_ids() if j not in set(served)]
+        out: list[tuple[str, JobState, str, int]] = []
+        for job_id in order:
+            if self.machine.status(job_id).state != JobState.QUEUED.value:
+                continue
+            spec = self.assets[job_id].spec if job_id in self.assets else None
+            kind = (self.machine.sched.kind_of(job_id) if self.machine.sched is not None
+                    else "") or (spec.device if spec is not None else "auto")
+            out.append((job_id, JobState.QUEUED, kind, spec.bounds[0] if spec else 1))
+        return out
 
     def _sealed(self, msg: Mapping[str, Any]) -> bool:
         """Whether a rank event comes from its generation's ranks (``nbtrain.core.rankseal``);

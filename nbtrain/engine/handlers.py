@@ -77,6 +77,7 @@ def install(ctl: ControllerPort, scheduler: Any) -> None:
         "nbtrain_result": functools.partial(result, ctl),
         "nbtrain_rendezvous": functools.partial(rank_handlers.rendezvous, ctl),
         "nbtrain_control": functools.partial(rank_handlers.control, ctl),
+        "nbtrain_autoscale": functools.partial(autoscale, ctl),
     }
     for name, fn in table.items():
         scheduler.handlers[name] = _replying(fn)
@@ -98,6 +99,23 @@ def _replying(fn: Callable[..., Awaitable[dict[str, Any]]]
 
     handler.__name__ = getattr(fn, "__name__", "nbtrain_handler")
     return handler
+
+
+# ====================================================================== cluster managers
+async def autoscale(ctl: ControllerPort, *, minimum: int = 0, maximum: int | None = None,
+                    idle_s: float = 60.0, kind: str = "cpu") -> dict[str, Any]:
+    """nbtrain's adaptive policy (:mod:`nbtrain.core.autoscale`) for a cluster manager:
+    ``target`` workers, the ``retire`` names that may go, the jobs ``asked`` for and the
+    ``reasons``, and the names of workers that announced they leave and have gone since the
+    last call (``departed``: for the cluster manager to drop from its plan)."""
+    from nbtrain.core.autoscale import AutoscaleSettings
+
+    d = ctl.autoscale(AutoscaleSettings(minimum=int(minimum),
+                                        maximum=None if maximum is None else int(maximum),
+                                        idle_s=float(idle_s), kind=str(kind)))
+    departed = ctl.take_departed()
+    return {"target": d.target, "retire": list(d.retire), "asked": list(d.asked),
+            "reserved": d.reserved, "reasons": list(d.reasons), "departed": departed}
 
 
 # ====================================================================== clients

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from nbtrain.config import Settings
+    from nbtrain.core.autoscale import AutoscaleDecision, AutoscaleSettings
     from nbtrain.core.lifecycle_types import Command, Event
     from nbtrain.engine.assets import JobAssets
     from nbtrain.engine.joblog import JobLog, Tail
@@ -70,6 +71,8 @@ class ControllerPort(RankPort, Protocol):
     def team_usage(self) -> dict[str, float]: ...
     def team_window(self) -> tuple[float, dict[str, tuple[float, float]]]: ...
     def decision_ms(self) -> dict[str, Any]: ...
+    def autoscale(self, settings: AutoscaleSettings) -> AutoscaleDecision: ...
+    def take_departed(self) -> list[Any]: ...
 
     # -- long-polls
     @property

@@ -8,22 +8,27 @@ one. The controller reads each joining worker's labels with :func:`worker_labels
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 import sys
 import threading
 from typing import Any
 
 from distributed import WorkerPlugin
+from distributed.diagnostics.plugin import NannyPlugin
 
 from nbtrain.config import Settings
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SLOT_ABOUT", "NbtrainWorker", "worker_labels"]
+__all__ = ["SLOT_ABOUT", "NbtrainNanny", "NbtrainWorker", "worker_labels"]
 
 #: What the views show of a worker's labels besides its place (host, NVLink domain, leaf,
 #: GPU): they travel into the machine's slot records with the worker's join.
 SLOT_ABOUT = ("pci_bus_id", "gpu_name", "nvlink_source", "gpu_note")
+#: The stimulus a SIGTERM's retirement carries (``nbtrain.engine.departures`` reads it).
+SIGTERM_STIMULUS = "worker-close-gracefully-sigterm"
 
 #: Period of Dask's statistical profiler on quiet workers: a day, i.e. off (default 10 ms).
 QUIET_PROFILE_MS = 86_400_000
@@ -92,6 +97,47 @@ class NbtrainWorker(WorkerPlugin):
             tune_malloc()
         if self.warm_up:
             threading.Thread(target=_try_warm_up, name="nbtrain-warm-up", daemon=True).start()
+        if getattr(worker, "nanny", None) is None:  # ``dask worker --no-nanny`` (a pod's)
+            _on_sigterm(lambda: worker.close_gracefully(reason="SIGTERM"))
+
+
+class NbtrainNanny(NannyPlugin):
+    """A ``dask worker`` process that gets SIGTERM (a pod being stopped, ``scancel``)
+    retires its worker through the scheduler instead of killing it, so a rank there
+    checkpoints and its job moves to other slots first (``nbtrain.engine.departures``);
+    a second SIGTERM is Dask's own (the process ends at once). Only Dask's own CLI
+    handler is replaced: a nanny inside a notebook's process (``LocalCluster``) is left
+    alone. Keep the pod's ``terminationGracePeriodSeconds`` above ``retire_wait_s``."""
+
+    name = "nbtrain-nanny"
+    idempotent = True
+
+    def setup(self, nanny: Any) -> None:
+        async def retire() -> None:
+            nanny.close_gracefully(reason="SIGTERM")  # no restart of the worker
+            await nanny.scheduler.retire_workers(
+                workers=[nanny.worker_address], close_workers=True, remove=True,
+                stimulus_id=SIGTERM_STIMULUS)
+
+        _on_sigterm(retire)
+
+
+def _on_sigterm(close: Any) -> bool:
+    """Replace the Dask CLI's SIGTERM handler in this process with one that runs
+    ``close()`` (a coroutine function) on the running loop; returns whether it did."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    previous = signal.getsignal(signal.SIGTERM)
+    if getattr(previous, "__module__", "") != "distributed._signals":
+        return False
+    loop = asyncio.get_running_loop()
+
+    def handle(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, previous)  # a second SIGTERM is Dask's own
+        loop.call_soon_threadsafe(lambda: asyncio.ensure_future(close()))
+
+    signal.signal(signal.SIGTERM, handle)
+    return True
 
 
 def quiet(worker: Any) -> None:
