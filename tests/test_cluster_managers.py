@@ -100,3 +100,36 @@ def test_a_retired_worker_moves_its_job_checkpoint_first(tmp_path: Path) -> None
             assert_params_equal(tmp_path, single_process_params(steps))
     finally:
         lc.close()
+
+
+def test_a_sigterm_to_a_dask_worker_moves_its_job_checkpoint_first(tmp_path: Path) -> None:
+    """``dask worker`` processes, as a pod or a batch job runs them: a SIGTERM to the one
+    under rank 1 (a pod being stopped, ``scancel``) retires its worker (nbtrain's nanny
+    plugin) instead of killing it, so the job checkpoints, moves to the spare and ends with an
+    uninterrupted run's parameters, with no fault."""
+    import os
+    import signal
+
+    from nbtrain.engine.standalone import standalone_cluster
+
+    with standalone_cluster(0, logs=tmp_path / "logs") as sc:
+        procs = {name: sc.add_workers(1, name=name) for name in ("a", "b", "c")}
+        with nbtrain.connect(sc.address) as cluster:
+            wait_for(lambda: len(cluster.free_slots) == 3, 120, "three slots")
+            steps = 40
+            job = cluster.submit(Regression(out_dir=str(tmp_path), step_sleep=0.02),
+                                 world_size=2, steps=steps, checkpoint=4)
+            wait_for(lambda: job.step >= 8, 90, "step 8")
+            leaving = job.slots[1]
+            name = cluster.client.scheduler_info()["workers"][leaving]["name"]
+            os.kill(procs[str(name)].pid, signal.SIGTERM)
+            assert job.wait(120) is JobState.SUCCEEDED, job.error
+            assert job.restarts == 0 and not job.faults, job.faults
+            [pre] = [e for e in job.events if e["kind"] == "preemption"]
+            assert pre["cause"] == "leaving" and pre["lost_steps"] == 0, pre
+            started = [e for e in job.events if e["kind"] == "rank_started"
+                       and e["generation"] == 1]
+            assert {e["start_step"] for e in started} == {pre["step"]}
+            assert leaving not in {e.get("address") for e in started}
+            assert_params_equal(tmp_path, single_process_params(steps))
+

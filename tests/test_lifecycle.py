@@ -349,17 +349,20 @@ def test_resume_is_judged_by_the_rule_the_buttons_read(state: str) -> None:
         assert h.state(job) in ("QUEUED", "STARTING")  # resumed: queued, or started at once
 
 
-@pytest.mark.parametrize(("kind", "says"), [("function", "checkpoint=None"),
-                                             ("script", "keeps its own snapshots")])
-def test_a_checkpoint_request_to_a_job_without_nbtrain_checkpoints_is_refused(
-        kind: str, says: str) -> None:
-    h = Harness()
-    h.submit("a", checkpoint=None, extra={"kind": kind})
-    h.steps("a", 0, 5)
-    out = h.feed(request_from_wire, "a", "checkpoint")
+def test_a_checkpoint_request_to_a_script_job_is_refused_and_one_without_a_policy_is_not(
+        ) -> None:
+    h = Harness(workers=4)
+    h.submit("s", checkpoint=None, extra={"kind": "script"})
+    h.submit("f", checkpoint=None, extra={"kind": "function"})
+    for job in ("s", "f"):
+        h.steps(job, 0, 5)
+    out = h.feed(request_from_wire, "s", "checkpoint")
     [refused] = h.of(Rejected, out)
-    assert says in refused.reason and not h.of(SetControl, out)
-    assert h.state("a") == "RUNNING"  # refused in words; the job trains on
+    assert "keeps its own snapshots" in refused.reason and not h.of(SetControl, out)
+    assert h.state("s") == "RUNNING"  # refused in words; the job trains on
+    # checkpoint=None means no checkpoints by policy: one on request is still taken
+    out = h.feed(request_from_wire, "f", "checkpoint")
+    assert not h.of(Rejected, out) and h.of(SetControl, out)[-1].flags["checkpoint"] == 1
 
 
 def test_stop_during_user_preempt_cancels() -> None:

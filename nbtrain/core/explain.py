@@ -163,14 +163,11 @@ def _hang_cause(hang: Hang, rank: int | None, told_apart: bool) -> tuple[str, st
     return error, f"{error} = {hang.why}; {hang.evidence}{who}"
 
 
-def checkpoint_rejected(name: str, kind: object) -> str:
-    """Why ``job.checkpoint()`` does nothing for a job that takes no nbtrain checkpoints."""
-    if kind == "script":
-        return (f"job {name} is a script: it keeps its own snapshots, and nbtrain cannot ask "
-                "it for one (preempt() sends its children SIGTERM, which a script that "
-                "handles it can use to snapshot)")
-    return (f"job {name} takes no checkpoints (submitted with checkpoint=None): submit it "
-            "with checkpoint='auto' or a step interval to checkpoint on request")
+def checkpoint_rejected(name: str) -> str:
+    """Why ``job.checkpoint()`` cannot work for a script job."""
+    return (f"job {name} is a script: it keeps its own snapshots, and nbtrain cannot ask it "
+            "for one (preempt() sends its children SIGTERM, which a script that handles it "
+            "can use to snapshot)")
 
 
 def resume_rejected(name: str, state: JobState) -> str:

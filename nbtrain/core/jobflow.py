@@ -207,8 +207,8 @@ def request(job: LiveJob, ev: UserRequest, *, now: float, grace_s: float, schedu
     if isinstance(ev, ResumeRequested):
         return _resume(job, now, scheduled, out)
     if isinstance(ev, CheckpointRequested):
-        if job.spec.checkpoint is None:
-            out.add(Rejected(job.id, checkpoint_rejected(job.name, job.spec.extra.get("kind"))))
+        if job.spec.extra.get("kind") == "script":
+            out.add(Rejected(job.id, checkpoint_rejected(job.name)))
         elif job.gen is not None:
             job.checkpoint_seq += 1
             out.set_control(job, checkpoint=job.checkpoint_seq)
