@@ -178,6 +178,13 @@ class StandaloneCluster:
         for proc in reversed(procs):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
+        # The whole cluster ends: a worker's first SIGTERM is a departure for nbtrain's
+        # nanny plugin (it retires through the scheduler, which is ending too); the second
+        # is Dask's own, which closes it at once.
+        time.sleep(0.1)
+        for proc in procs[1:]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
         for proc in procs:
             try:
