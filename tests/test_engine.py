@@ -108,6 +108,27 @@ def test_cluster_repr_lists_slots_and_jobs(free_cluster: nbtrain.Cluster) -> Non
     assert "nbtrain cluster" in text
 
 
+def _parent_command_line() -> str:
+    import psutil
+    parent = psutil.Process().parent()
+    return " ".join(parent.cmdline()) if parent else ""
+
+
+def test_embedded_workers_fork_from_one_preloaded_forkserver(
+        free_cluster: nbtrain.Cluster) -> None:
+    """connect()'s CPU workers are children of one forkserver (not of the nanny, as spawned
+    ones are) that preloaded torch: they share its pages and restart without importing it."""
+    from nbtrain.engine.forkstart import PRELOAD
+
+    parents = free_cluster.client.run(_parent_command_line)
+    assert len(parents) == 2, parents
+    assert len(set(parents.values())) == 1, parents  # one forkserver for both
+    [parent] = set(parents.values())
+    # the forkserver's command line carries its preload list
+    assert "multiprocessing.forkserver" in parent, parent
+    assert all(repr(module) in parent for module in PRELOAD), (PRELOAD, parent)
+
+
 def test_gang_never_starts_partially_and_fail_fast() -> None:
     with nbtrain.connect(n_workers=3) as c:
         with pytest.raises(ValueError, match="needs 4 slots at once but only 3 of the "

@@ -14,10 +14,11 @@ engine for the stacks, restarts the culprits' workers, publishes the ``slow`` ev
   interval after the first (``confirm_share`` of the limit, within ``confirm_min_s`` ..
   ``confirm_max_s``): a rank whose call stack did not move while nothing progressed, outside
   a collective, is stuck (a rank waiting in a collective waits for it); when no stack moved
-  at all every rank waits in a collective. A rank whose stack moved is slow, not hung: said
-  once, and looked at again, until the generation has been silent for ``give_up_factor``
-  times the limit. A request for stacks that got no answer within ``answer_timeout_s`` is
-  sent again.
+  at all the generation is hung too (its ranks wait for each other, or none can be told
+  apart; the cause names each rank's innermost frame). A rank whose stack moved is slow,
+  not hung: said once, and looked at again, until the generation has been silent for
+  ``give_up_factor`` times the limit. A request for stacks that got no answer within
+  ``answer_timeout_s`` is sent again.
 - **Starting.** Each rank gets ``rendezvous_timeout_s`` (+ ``dispatch_s`` for its task to
   reach its worker) to reach its setup, ``setup_timeout_s`` for the setup (and a training
   function's code before its loop), ``restore_timeout_s`` for the restore and
@@ -324,8 +325,9 @@ class GenerationWatch:
         if give_up:
             return (f"still no step after {self.settings.give_up_factor:g} x the limit "
                     f"({silent:.1f} s)")
-        return (f"no rank's call stack changed in {waited:.1f} s (every rank waits in a "
-                "collective)")
+        where = "; ".join(f"rank {r} at {top_frame(stacks[r])}" for r in sorted(stacks)[:2])
+        more = f"; {len(stacks) - 2} more ranks" if len(stacks) > 2 else ""
+        return f"no rank's call stack changed in {waited:.1f} s ({where}{more})"
 
 
 def top_frame(stack: str) -> str:

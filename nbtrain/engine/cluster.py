@@ -38,6 +38,7 @@ from nbtrain.engine.assets import token_hash
 from nbtrain.engine.checkpoints import job_url, resolve_resume
 from nbtrain.engine.controller import ClusterController
 from nbtrain.engine.embedded import EmbeddedCluster
+from nbtrain.engine.forkstart import fork_workers
 from nbtrain.engine.gpus import embedded_gpus
 from nbtrain.engine.job import JobHandle
 from nbtrain.engine.remote import Follower, Remote
@@ -593,6 +594,8 @@ def connect(address: str | Client | DaskCluster | None = None, *, n_workers: int
         # Worker processes that may start children (DataLoader workers). Nannies read this
         # each time they (re)start a worker, so it stays set in this process.
         dask.config.set({"distributed.worker.daemon": False})
+        if not gpu_ids:
+            fork_workers()  # workers share one preloaded torch (memory, start time)
         pages.install()  # the job and class pages join the dashboard this scheduler serves
         with dask.config.set(config):
             local = EmbeddedCluster(n_workers=0 if gpu_ids else n, gpus=gpu_ids,

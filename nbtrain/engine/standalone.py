@@ -99,7 +99,8 @@ class StandaloneCluster:
         worker = Supervised(
             name=f"worker-{name}",
             argv=[str(BIN / "dask"), "worker", self.address, "--nworkers", str(n),
-                  "--nthreads", "1", "--host", "127.0.0.1", "--name", name, "--no-dashboard"],
+                  "--nthreads", "1", "--host", "127.0.0.1", "--name", name, "--no-dashboard",
+                  "--preload-nanny", "nbtrain.engine.forkstart"],
             env={**_without_operator_token(os.environ), "DASK_DISTRIBUTED__WORKER__DAEMON": "False",
                  **(env or {})},
             log=self.logs / f"worker-{name}.log")
