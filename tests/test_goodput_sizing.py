@@ -25,7 +25,10 @@ from nbtrain.core.topology import Topology
 TOPO = Topology.declare(2, 8, hosts_per_leaf=2)  # 16 slots
 GOOD = StepTimeCurve(a=0.01, b=1.0, c=0.02, d=0.001)  # near-linear to 16 ranks
 POOR = StepTimeCurve(a=0.05, b=1.0, c=0.4, d=0.02)  # communication bound past 2 ranks
-CFG = SchedulerConfig(goodput_interval_s=300.0, goodput_check_s=30.0)
+# a tight hysteresis band (5%, the noise level of the noisy case) and a low knee, so the
+# hand-built cases move on small differences
+CFG = SchedulerConfig(goodput_interval_s=300.0, goodput_check_s=30.0, goodput_min_gain=0.05,
+                      goodput_knee=0.5)
 
 
 def _gp(job_id: str, size: int, *, min_size: int = 2, max_size: int = 16,

@@ -154,8 +154,8 @@ def _changes(by_id: dict[str, Candidate], kept: dict[str, int], grows: dict[str,
     growers = ", ".join(sorted(grows))
     verb = "grows" if len(grows) == 1 else "grow"
     out = [SizeChange(j, by_id[j].size, n,
-                      f"goodput: {by_id[j].size}->{n} ranks costs "
-                      f"{shrink_cost(by_id[j].model, by_id[j].size, n):.0%} of its speedup; "
+                      f"goodput: {by_id[j].size}->{n} ranks "
+                      f"{_costs(shrink_cost(by_id[j].model, by_id[j].size, n))}; "
                       f"{growers} {verb} (+{net:.2f} job-speedups in all)")
            for j, n in sorted(kept.items())]
     for j, n in sorted(grows.items()):
@@ -185,6 +185,12 @@ def for_queue(c: Candidate, *, threshold: float, min_confidence: float) -> SizeC
     new = knee(m, c.size, c.min_size, c.replica, threshold)
     if new >= c.size or min(m.confidence(c.size), m.confidence(new)) < min_confidence:
         return None
+    lost = shrink_cost(m, c.size, new)
     return SizeChange(c.job_id, c.size, new,
-                      f"goodput: {c.size}->{new} ranks costs {shrink_cost(m, c.size, new):.0%}"
-                      f" of its speedup; its {c.size - new} ranks go to waiting jobs")
+                      f"goodput: {c.size}->{new} ranks {_costs(lost)}; its {c.size - new} "
+                      "ranks go to waiting jobs")
+
+
+def _costs(lost: float) -> str:
+    return (f"costs {lost:.0%} of its speedup" if lost >= 0
+            else f"raises its speedup by {-lost:.0%}")

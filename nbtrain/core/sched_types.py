@@ -351,11 +351,13 @@ class SchedulerConfig:
     goodput_check_s: how often the scheduler looks at goodput-sized jobs at all (bounds the
         cost of a decision on a busy queue).
     goodput_knee: while jobs wait, a goodput-sized job gives back the ranks whose marginal
-        speedup is below this fraction of its average rank's (0.5: the last ranks add less
-        than half what an average one does).
-    goodput_min_gain: growing a goodput-sized job into idle slots must raise its speedup by
-        at least this fraction, and a shrink must cost it at least this much for a waiting
-        job to be worth the restart (the hysteresis against noisy measurements).
+        speedup is below this fraction of its average rank's (0.8: the last ranks add less
+        than 80% of what an average one does; with a queue, a waiting job's first ranks
+        add about all of theirs).
+    goodput_min_gain: growing goodput-sized jobs into idle slots must raise each one's
+        speedup, and the summed speedup net of what shrinks cost, by at least this
+        fraction; the grown job is likely to be shrunk back (one more restart) when jobs
+        arrive, and noise in the measurements must not move it (the hysteresis).
     goodput_min_confidence: model confidence (``GoodputModel.confidence``) needed, at the
         current and the new size, before a job is shrunk on its curve's word.
     """
@@ -377,8 +379,8 @@ class SchedulerConfig:
     min_resize_interval_s: float = 0.0
     goodput_interval_s: float = 300.0
     goodput_check_s: float = 30.0
-    goodput_knee: float = 0.5
-    goodput_min_gain: float = 0.05
+    goodput_knee: float = 0.8
+    goodput_min_gain: float = 0.25
     goodput_min_confidence: float = 0.3
 
     def __post_init__(self) -> None:

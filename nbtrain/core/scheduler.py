@@ -368,7 +368,9 @@ class Scheduler(JobBook):
         if model is None:
             return why
         lost = goodput_sizing.shrink_cost(model, j.size, new)
-        return f"{why}: {j.size}->{new} ranks costs {lost:.0%} of its speedup, it starts"
+        how = (f"costs {lost:.0%} of its speedup" if lost >= 0
+               else f"raises its speedup by {-lost:.0%}")
+        return f"{why}: {j.size}->{new} ranks {how}, it starts"
 
     def _pass(self, out: list[Decision]) -> JobRecord | None:
         """One pass over the queue: start what fits, make way for the first blocked job (the
