@@ -196,6 +196,7 @@ class Scheduler(JobBook):
                                             f"multiple of tp*cp*pp={r}"))
             return
         new_min = None if j.req.min_size is None else min(j.req.min_size, ev.size)
+        new_max = None if j.req.max_size is None else max(j.req.max_size, ev.size)
         if j.state != "running":
             # Nothing to place now, so nothing else refuses it: a size the cluster can never
             # hold would leave the job queued for ever (refused at submit, as it would be).
@@ -207,7 +208,8 @@ class Scheduler(JobBook):
                                                 f"ranks: {err}; it keeps {j.req.size}"))
                 return
         old_req = j.req
-        self._set_request(j, dataclasses.replace(j.req, size=ev.size, min_size=new_min))
+        self._set_request(j, dataclasses.replace(j.req, size=ev.size, min_size=new_min,
+                                                 max_size=new_max))
         if j.state != "running" or j.size == ev.size:
             return
         if ev.size < j.size:
