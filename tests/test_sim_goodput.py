@@ -77,7 +77,7 @@ def test_goodput_sizing_finishes_poorly_scaling_jobs_sooner_and_replays_exactly(
     assert gp.schedule_hash == simulate_gang(TOPO, trace, "goodput", seed=5).schedule_hash
     assert gp.schedule_hash != base.schedule_hash
     assert gp.metrics["finished"] == base.metrics["finished"] == len(trace)
-    assert gp.metrics["jct_mean_h"] < base.metrics["jct_mean_h"]
+    assert gp.metrics["jct_mean_h"] < 0.9 * base.metrics["jct_mean_h"]
     assert gp.metrics["resizes"] > 0
 
 

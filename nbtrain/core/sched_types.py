@@ -351,9 +351,9 @@ class SchedulerConfig:
     goodput_check_s: how often the scheduler looks at goodput-sized jobs at all (bounds the
         cost of a decision on a busy queue).
     goodput_knee: while jobs wait, a goodput-sized job gives back the ranks whose marginal
-        speedup is below this fraction of its average rank's (0.8: the last ranks add less
-        than 80% of what an average one does; with a queue, a waiting job's first ranks
-        add about all of theirs).
+        speedup is below this fraction of its average rank's (0.5: the last ranks add less
+        than half what an average one does, while a waiting job's first ranks add about all
+        of theirs). Higher gives back more, at a restart each time.
     goodput_min_gain: growing goodput-sized jobs into idle slots must raise each one's
         speedup, and the summed speedup net of what shrinks cost, by at least this
         fraction; the grown job is likely to be shrunk back (one more restart) when jobs
@@ -379,7 +379,7 @@ class SchedulerConfig:
     min_resize_interval_s: float = 0.0
     goodput_interval_s: float = 300.0
     goodput_check_s: float = 30.0
-    goodput_knee: float = 0.8
+    goodput_knee: float = 0.5
     goodput_min_gain: float = 0.25
     goodput_min_confidence: float = 0.3
 
