@@ -36,3 +36,13 @@ def test_rank_zero_step_rows_of_a_goodput_job_feed_its_model() -> None:
         assert h.state(job_id) == "RUNNING"
     assert _model_sizes(h, "g") == (2,)
     assert _model_sizes(h, "f") == ()  # a fixed job has no model
+
+
+def test_the_goodput_interval_is_a_setting_with_the_schedulers_default() -> None:
+    from nbtrain.config import Settings
+    from nbtrain.core.sched_types import SchedulerConfig
+
+    assert Settings.load().goodput_interval_s == SchedulerConfig().goodput_interval_s
+    assert Settings.load(goodput_interval_s=60).goodput_interval_s == 60.0
+    with pytest.raises(ValueError, match="goodput_interval_s must be > 0"):
+        Settings.load(goodput_interval_s=-1)
