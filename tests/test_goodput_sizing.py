@@ -168,3 +168,68 @@ def test_step_times_of_other_jobs_are_ignored() -> None:
     assert _run(s, StepTimes(1.0, "fixed", 4, 0.1)) == []
     assert _run(s, StepTimes(1.0, "unknown", 4, 0.1)) == []
     assert s.goodput_model("fixed") is None
+
+
+def _fair_day_with_goodput(seed: int,
+                           weights: dict[str, float]) -> tuple[dict[str, float], int]:
+    """Closed loop as in ``tests/test_sim.py``: every team always has 3 jobs queued, half of
+    them goodput-sized (some scaling well, some poorly, each reporting its step times at
+    every size it runs at); returns each team's share of the slot-time used over a day, and
+    how many resizes goodput sizing made."""
+    rng = np.random.default_rng(seed)
+    s = Scheduler(Topology.declare(8, 8, hosts_per_leaf=4),
+                  SchedulerConfig(team_weights=weights, goodput_interval_s=300.0))
+    running: list[tuple[float, str]] = []
+    ends: dict[str, float] = {}
+    curves: dict[str, StepTimeCurve] = {}
+    n = 0
+    moved = 0
+
+    def act(out: list[Decision], t: float) -> None:
+        nonlocal moved
+        moved += sum(1 for d in out if isinstance(d, ResizeJob) and "of its speedup" in d.reason)
+        for d in out:
+            if isinstance(d, StartJob):
+                ends[d.job_id] = t + float(rng.uniform(600, 2400))
+                running.append((ends[d.job_id], d.job_id))
+                running.sort()
+                submit(d.job_id.split("-")[0], t)
+            if isinstance(d, StartJob | ResizeJob) and d.job_id in curves:
+                n_ranks = d.placement.world_size
+                act(s.handle(StepTimes(t, d.job_id, n_ranks,
+                                       curves[d.job_id].step_s(n_ranks), 50.0)), t)
+
+    def submit(team: str, t: float) -> None:
+        nonlocal n
+        n += 1
+        job_id = f"{team}-{n}"
+        if rng.random() < 0.5:
+            curves[job_id] = GOOD if rng.random() < 0.5 else POOR
+            req = _gp(job_id, 8, min_size=1, max_size=16, team=team)
+        else:
+            req = JobRequest(job_id=job_id, size=int(rng.choice([1, 2, 4, 8])), team=team)
+        act(s.handle(Submit(t, req)), t)
+
+    for team in weights:
+        for _ in range(3):
+            submit(team, 0.0)
+    day = 86400.0
+    while running and running[0][0] <= day:
+        t, job_id = running.pop(0)
+        act(s.handle(Finished(t, job_id)), t)
+        s.check_invariants()
+    s.handle(Tick(day))
+    used = s.team_usage()
+    total = sum(used.values())
+    return {team: used[team] / total for team in weights}, moved
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fair_share_holds_with_goodput_sized_jobs_in_every_team(seed: int) -> None:
+    weights = {"a": 1.0, "b": 1.0, "c": 2.0, "d": 4.0}
+    shares, moved = _fair_day_with_goodput(seed, weights)
+    assert moved > 0  # goodput sizing acted during the day
+    total_w = sum(weights.values())
+    for team, w in weights.items():
+        target = w / total_w
+        assert abs(shares[team] - target) <= 0.05 * target, (team, shares[team], target)
