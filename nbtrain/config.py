@@ -123,6 +123,10 @@ class Settings:
     #: restart it over and over. Shrinks (a lost worker, a job that needs the slots) and the
     #: user's own resizes are not held back.
     resize_interval_s: float = 30.0
+    #: A job submitted with ``sizing="goodput"`` is resized by its measured goodput at most
+    #: this long after its last start or resize (each resize is a restart from a
+    #: checkpoint; see ``SchedulerConfig.goodput_interval_s``).
+    goodput_interval_s: float = _SCHED.goodput_interval_s
     #: Fair-share weights of teams, ``"research:3,teaching:1"``; unnamed teams weigh 1.
     team_weights: str = ""
     #: The recent window over which the class view (and ``cluster.snapshot()["teams"]``)

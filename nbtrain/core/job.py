@@ -11,6 +11,7 @@ from typing import Any
 
 from nbtrain.core.mesh import layout_of, validate_mesh
 from nbtrain.core.placement import Layout
+from nbtrain.core.sched_types import SIZING
 
 
 class JobState(str, enum.Enum):
@@ -149,6 +150,10 @@ class JobSpec:
     #: The device mesh: ``{"dp": 2, "tp": 2}`` (``dp`` follows from the world size). TP
     #: groups are placed inside an NVLink domain; None: data parallel over every rank.
     mesh: dict[str, int] | None = None
+    #: ``"fixed"`` (the size asked for, shrunk and grown back by the elastic rules) or
+    #: ``"goodput"``: the scheduler chooses the size in ``[min_size, max_size]`` from the
+    #: job's measured speedup (``nbtrain.core.goodput_sizing``).
+    sizing: str = "fixed"
     extra: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -158,6 +163,7 @@ class JobSpec:
                              "priority=5 (higher runs first)")
         self._check_sizes()
         self._check_policy()
+        self._check_sizing()
         if self.mesh is not None:
             validate_mesh(self.mesh, self.world_size, sizes=self.bounds)
 
@@ -208,6 +214,15 @@ class JobSpec:
             raise ValueError(f"on_nonfinite must be 'alert' or 'halt', got "
                              f"{self.on_nonfinite!r}")
 
+    def _check_sizing(self) -> None:
+        if self.sizing not in SIZING:
+            raise ValueError(f"sizing must be one of {SIZING}, got {self.sizing!r}: 'goodput' "
+                             "lets the scheduler choose the size in [min_size, max_size] from "
+                             "the job's measured speedup")
+        if self.sizing == "goodput" and not self.resizable:
+            raise ValueError(f"sizing='goodput' needs sizes to choose from: set min_size below "
+                             f"world_size={self.world_size} or max_size above it")
+
     @property
     def bounds(self) -> tuple[int, int]:
         """The sizes the job may run at: ``(min_size, max_size)``."""
@@ -235,7 +250,7 @@ class JobSpec:
             "min_size": self.min_size, "max_size": self.max_size, "steps": self.steps,
             "seed": self.seed, "team": self.team,
             "priority": self.priority, "checkpoint": self.checkpoint,
-            "mesh": dict(self.mesh) if self.mesh else None,
+            "mesh": dict(self.mesh) if self.mesh else None, "sizing": self.sizing,
         }
 
 

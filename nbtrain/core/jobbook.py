@@ -28,6 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from nbtrain.core.fairshare import FairShare
+from nbtrain.core.goodputmodel import GoodputModel
 from nbtrain.core.placement import Placement, place_indices, tp_capacity
 from nbtrain.core.sched_types import (
     JobRequest,
@@ -153,6 +154,9 @@ class JobBook:
         self._stopping: dict[int, JobRecord] = {}  # seq -> job told to stop, not yet released
         self._running_at: dict[int, dict[str, JobRecord]] = {}  # priority -> running jobs
         self._flex: dict[str, JobRecord] = {}  # running jobs with a min_size
+        #: Goodput models of goodput-sized jobs (``JobRequest.sizing``), fed ``StepTimes``.
+        self._models: dict[str, GoodputModel] = {}
+        self._goodput_next = -math.inf  # when the scheduler next looks at goodput sizing
         self.work = Work()
 
     def job(self, job_id: str) -> JobView:
@@ -175,6 +179,11 @@ class JobBook:
         if j is not None and j.state == "done":
             del self._jobs[job_id]
             del self._by_num[j.num]
+            self._models.pop(job_id, None)
+
+    def goodput_model(self, job_id: str) -> GoodputModel | None:
+        """The goodput model of a goodput-sized job (``None`` for other jobs)."""
+        return self._models.get(job_id)
 
     def job_ids(self, state: str | None = None) -> list[str]:
         """Ids of known jobs (optionally only those in ``state``), in submit order."""

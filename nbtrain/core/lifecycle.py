@@ -252,10 +252,12 @@ class JobMachine:
         spec = job.spec
         # ``target``: the size asked for, the world size unless a resize (carried over a
         # controller restart) asked for another.
+        goodput = spec.sizing == "goodput"
         request = JobRequest(job_id=job.id, size=job.plan.target if spec.resizable
                              else spec.world_size, priority=spec.priority,
                              team=spec.team, layout=spec.layout,
-                             min_size=spec.bounds[0] if spec.resizable else None)
+                             min_size=spec.bounds[0] if spec.resizable else None,
+                             sizing=spec.sizing, max_size=spec.bounds[1] if goodput else None)
         self._sched(Submit(self.now, request))
         if job.id not in self._jobs:  # rejected by the scheduler
             return
@@ -492,6 +494,9 @@ class JobMachine:
             self._sched(Checkpointed(self.now, job.id))
         elif after is progress.After.MITIGATE:
             self._mitigate(job)
+            timing = progress.step_times(job, ev, self.now)
+            if timing is not None:
+                self._sched(timing)
 
     def _mitigate(self, job: LiveJob) -> None:
         """The straggler policy's turn, with the job's placement and the spare slots."""

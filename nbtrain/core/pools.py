@@ -30,6 +30,7 @@ from nbtrain.core.sched_types import (
     ResizeRequested,
     Resume,
     SchedulerConfig,
+    StepTimes,
     Submit,
     Suspend,
     Tick,
@@ -47,7 +48,7 @@ CPU = "cpu"
 KINDS = (GPU, CPU)
 #: Events about one job (what is left of ``Event`` without the slots, the time and submits).
 _JobEvent = (Finished | Failed | Released | Checkpointed | Cancelled | Suspend | Resume
-             | ResizeRequested)
+             | ResizeRequested | StepTimes)
 
 
 class DevicePools:

@@ -33,9 +33,10 @@ from nbtrain.core.machine_events import (
 from nbtrain.core.mitigation import ActionKind, SlotInfo
 from nbtrain.core.outbox import Outbox
 from nbtrain.core.records import ROW_COLUMNS
+from nbtrain.core.sched_types import StepTimes
 from nbtrain.core.stragglerwatch import mitigation_event
 
-__all__ = ["METRICS_AT", "After", "message", "mitigate"]
+__all__ = ["METRICS_AT", "After", "message", "mitigate", "step_times"]
 
 #: Position of the metrics dict in a rank's step row.
 METRICS_AT = len(ROW_COLUMNS)
@@ -59,6 +60,22 @@ def message(job: LiveJob, ev: RankEvent, now: float, out: Outbox) -> After:
     out.publish(job, ev.logged())
     handler = _REPORTS.get(type(ev))
     return After.NOTHING if handler is None else handler(job, gen, ev, now, out)
+
+
+def step_times(job: LiveJob, ev: RankEvent, now: float) -> StepTimes | None:
+    """Rank 0's step rows of a goodput-sized job's current generation as the scheduler's
+    ``StepTimes`` (their mean step time at the generation's size); None for other jobs."""
+    gen = job.gen
+    if (job.spec.sizing != "goodput" or not isinstance(ev, RankSteps) or ev.rank != 0
+            or gen is None or ev.generation != gen.number):
+        return None
+    times = [float(row[_STEP_S]) for row in ev.rows if float(row[_STEP_S]) > 0]
+    if not times:
+        return None
+    return StepTimes(now, job.id, gen.size, sum(times) / len(times), float(len(times)))
+
+
+_STEP_S = ROW_COLUMNS.index("step_s")
 
 
 def _progress(job: LiveJob, gen: Generation, ev: RankSteps | RankPhase | RankDevice,

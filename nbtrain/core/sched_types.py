@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from nbtrain.core.placement import POLICIES, Layout, Placement
 
 __all__ = [
+    "SIZING",
     "Cancelled",
     "Checkpointed",
     "Decision",
@@ -29,6 +30,7 @@ __all__ = [
     "Resume",
     "SchedulerConfig",
     "StartJob",
+    "StepTimes",
     "Submit",
     "Suspend",
     "Tick",
@@ -47,6 +49,11 @@ class JobRequest:
     ``size``, like a Slurm time limit) lets backfill prove a small job will not delay the
     reserved head of the queue; without it the job is assumed to run forever for that purpose.
     ``checkpoint_every_s`` lets preemption estimate the work a victim would lose.
+
+    ``sizing="goodput"`` (an elastic job) lets the scheduler choose the size from the job's
+    measured goodput (``StepTimes`` events; ``nbtrain.core.goodput_sizing``) anywhere in
+    ``[min_size, max_size]``; it starts at ``size``. ``max_size`` (default ``size``) is only
+    read for such jobs.
     """
 
     job_id: str
@@ -58,9 +65,26 @@ class JobRequest:
     preemptible: bool = True
     est_duration_s: float | None = None
     checkpoint_every_s: float | None = None
+    sizing: str = "fixed"
+    max_size: int | None = None
 
     def __post_init__(self) -> None:
         r = self.layout.replica
+        if self.sizing not in SIZING:
+            raise ValueError(f"job {self.job_id!r}: sizing={self.sizing!r} must be one of "
+                             f"{SIZING}")
+        if self.max_size is not None and (
+            not isinstance(self.max_size, int) or self.max_size < self.size
+            or self.max_size % r
+        ):
+            raise ValueError(f"job {self.job_id!r}: max_size={self.max_size!r} must be a "
+                             f"multiple of {r} of at least size={self.size}")
+        if self.sizing == "goodput" and self.min_size is None and (
+            self.max_size is None or self.max_size == self.size
+        ):
+            raise ValueError(f"job {self.job_id!r}: sizing='goodput' needs a range of sizes "
+                             f"to choose from: set min_size below size={self.size} or "
+                             "max_size above it")
         if not isinstance(self.size, int) or self.size < 1 or self.size % r:
             raise ValueError(
                 f"job {self.job_id!r}: size={self.size!r} must be a positive multiple of "
@@ -91,6 +115,18 @@ class JobRequest:
     @property
     def elastic(self) -> bool:
         return self.min_size is not None and self.min_size < self.size
+
+    @property
+    def goodput_sized(self) -> bool:
+        return self.sizing == "goodput"
+
+    @property
+    def max_slots(self) -> int:
+        return self.size if self.max_size is None else self.max_size
+
+
+SIZING: tuple[str, ...] = ("fixed", "goodput")
+"""How a job's size is chosen: as asked (today's elastic rules), or from its goodput."""
 
 
 # ---------------------------------------------------------------------------------- events
@@ -208,6 +244,19 @@ class WorkersForgotten:
 
 
 @dataclass(frozen=True)
+class StepTimes:
+    """A job's mean step time over ``steps`` steps at ``size`` ranks (for goodput sizing;
+    ignored for other jobs); optionally its gradient noise scale (samples)."""
+
+    now: float
+    job_id: str
+    size: int
+    step_s: float
+    steps: float = 1.0
+    noise_scale: float | None = None
+
+
+@dataclass(frozen=True)
 class Tick:
     """Time passed; lets waiting-time and fair-share order advance with no other event."""
 
@@ -216,7 +265,7 @@ class Tick:
 
 Event = (
     Submit | Finished | Failed | Released | Checkpointed | Cancelled | Suspend | Resume
-    | ResizeRequested | WorkersAdded | WorkersRemoved | WorkersForgotten | Tick
+    | ResizeRequested | WorkersAdded | WorkersRemoved | WorkersForgotten | StepTimes | Tick
 )
 
 
@@ -296,6 +345,21 @@ class SchedulerConfig:
     min_resize_interval_s: an elastic job is grown into idle slots at most this long after
         its last start or resize, so a worker that comes and goes cannot restart it over and
         over (shrinks for a lost worker or a waiting job are not held back).
+    goodput_interval_s: a goodput-sized job is resized by its goodput at most this long
+        after its last start or resize (Pollux reconsiders every 60 s; a restart costs
+        ``restart_cost_s``, so this should be several times that).
+    goodput_check_s: how often the scheduler looks at goodput-sized jobs at all (bounds the
+        cost of a decision on a busy queue).
+    goodput_knee: while jobs wait, a goodput-sized job gives back the ranks whose marginal
+        speedup is below this fraction of its average rank's (0.5: the last ranks add less
+        than half what an average one does, while a waiting job's first ranks add about all
+        of theirs). Higher gives back more, at a restart each time.
+    goodput_min_gain: growing goodput-sized jobs into idle slots must raise each one's
+        speedup, and the summed speedup net of what shrinks cost, by at least this
+        fraction; the grown job is likely to be shrunk back (one more restart) when jobs
+        arrive, and noise in the measurements must not move it (the hysteresis).
+    goodput_min_confidence: model confidence (``GoodputModel.confidence``) needed, at the
+        current and the new size, before a job is shrunk on its curve's word.
     """
 
     order: str = "priority"
@@ -313,6 +377,11 @@ class SchedulerConfig:
     elastic_grow: bool = True
     can_grow: bool = False
     min_resize_interval_s: float = 0.0
+    goodput_interval_s: float = 300.0
+    goodput_check_s: float = 30.0
+    goodput_knee: float = 0.5
+    goodput_min_gain: float = 0.25
+    goodput_min_confidence: float = 0.3
 
     def __post_init__(self) -> None:
         if self.order not in ("priority", "fifo"):
@@ -331,6 +400,16 @@ class SchedulerConfig:
                              f"{self.share_window_s!r}")
         if self.preempt_grace_s < 0 or self.restart_cost_s < 0:
             raise ValueError("preempt_grace_s and restart_cost_s must be >= 0")
+        self._check_goodput()
+
+    def _check_goodput(self) -> None:
+        if not (self.goodput_interval_s >= 0 and self.goodput_check_s >= 0):
+            raise ValueError(f"goodput_interval_s and goodput_check_s must be >= 0 seconds, "
+                             f"got {self.goodput_interval_s!r} and {self.goodput_check_s!r}")
+        for name in ("goodput_knee", "goodput_min_gain", "goodput_min_confidence"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {v!r}")
 
     def weight(self, team: str) -> float:
         return float(self.team_weights.get(team, 1.0))

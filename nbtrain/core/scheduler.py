@@ -22,6 +22,13 @@ What one scheduling pass does, after the event is applied:
    estimate says they end before the shadow time.
 4. When nobody waits, grow elastic jobs into idle slots.
 
+Goodput-sized jobs (``JobRequest.sizing="goodput"``, fed ``StepTimes``) are sized by
+``nbtrain.core.goodput_sizing`` at most every ``goodput_check_s``: before the pass, while jobs
+wait, they give back ranks past their knee; when nobody waits, slots move between them to
+where they add most speedup, instead of step 4. A blocked head shrinks them first, the
+cheapest in lost speedup per slot first. A scheduler with no such job takes none of these
+paths (its schedules are the pinned ones).
+
 Engine use (one queue shared by many notebooks)::
 
     sched = Scheduler(Topology.from_hosts(workers_by_host), SchedulerConfig(team_weights=w))
@@ -47,6 +54,8 @@ from collections.abc import Hashable, Iterable, Iterator
 import numpy as np
 import numpy.typing as npt
 
+from nbtrain.core import goodput_sizing
+from nbtrain.core.goodputmodel import GoodputModel
 from nbtrain.core.jobbook import EMPTY, JobBook, JobRecord, JobView
 from nbtrain.core.placement import check_feasible, place_indices
 from nbtrain.core.preemption import choose_victims
@@ -63,6 +72,7 @@ from nbtrain.core.sched_types import (
     Released,
     ResizeRequested,
     Resume,
+    StepTimes,
     Submit,
     Suspend,
     Tick,
@@ -109,7 +119,7 @@ class Scheduler(JobBook):
         if isinstance(ev, Submit):
             self._submit(ev.job, out)
         elif isinstance(ev, Finished | Cancelled | Failed | Released | Suspend | Resume
-                        | Checkpointed):
+                        | Checkpointed | StepTimes):
             j = self._jobs.get(ev.job_id)
             if j is not None:
                 self._job_event(j, ev)
@@ -125,7 +135,7 @@ class Scheduler(JobBook):
             raise TypeError(f"unknown event {ev!r}; see nbtrain.core.sched_types.Event")
 
     def _job_event(self, j: JobRecord, ev: Finished | Cancelled | Failed | Released | Suspend
-                   | Resume | Checkpointed) -> None:
+                   | Resume | Checkpointed | StepTimes) -> None:
         """What the engine says about one of the jobs it was told to run."""
         if isinstance(ev, Finished | Cancelled | Suspend):
             if j.state != "done":
@@ -143,8 +153,18 @@ class Scheduler(JobBook):
         elif isinstance(ev, Resume):
             if j.state == "held":
                 self._enqueue(j)
+        elif isinstance(ev, StepTimes):
+            self._step_times(ev)
         else:
             j.last_ckpt_t = ev.now
+
+    def _step_times(self, ev: StepTimes) -> None:
+        """Measured step times feed a goodput-sized job's model (other jobs have none)."""
+        model = self._models.get(ev.job_id)
+        if model is not None:
+            model.observe(ev.size, ev.step_s, ev.steps)
+            if ev.noise_scale is not None:
+                model.noise_scale = ev.noise_scale
 
     def _submit(self, req: JobRequest, out: list[Decision]) -> None:
         if req.job_id in self._jobs:
@@ -161,6 +181,8 @@ class Scheduler(JobBook):
         self._next_num += 1
         self._jobs[req.job_id] = j
         self._by_num[j.num] = j
+        if req.goodput_sized:
+            self._models[req.job_id] = GoodputModel(ref_size=req.size)
         self._enqueue(j)
 
     def _resize_request(self, ev: ResizeRequested, out: list[Decision]) -> None:
@@ -174,6 +196,7 @@ class Scheduler(JobBook):
                                             f"multiple of tp*cp*pp={r}"))
             return
         new_min = None if j.req.min_size is None else min(j.req.min_size, ev.size)
+        new_max = None if j.req.max_size is None else max(j.req.max_size, ev.size)
         if j.state != "running":
             # Nothing to place now, so nothing else refuses it: a size the cluster can never
             # hold would leave the job queued for ever (refused at submit, as it would be).
@@ -185,7 +208,8 @@ class Scheduler(JobBook):
                                                 f"ranks: {err}; it keeps {j.req.size}"))
                 return
         old_req = j.req
-        self._set_request(j, dataclasses.replace(j.req, size=ev.size, min_size=new_min))
+        self._set_request(j, dataclasses.replace(j.req, size=ev.size, min_size=new_min,
+                                                 max_size=new_max))
         if j.state != "running" or j.size == ev.size:
             return
         if ev.size < j.size:
@@ -259,12 +283,96 @@ class Scheduler(JobBook):
     # ================================================================== the pass
     def _schedule(self, out: list[Decision]) -> None:
         self._shrunk = False  # set when a shrink let a job start: no regrowth in the same pass
+        goodput = bool(self._models) and self.now >= self._goodput_next
+        if goodput:
+            self._goodput_next = self.now + self.config.goodput_check_s
         if self._n_queued == 0:
+            if goodput:
+                self._goodput_rebalance(out)
             self._grow_elastic(out)
             return
+        if goodput:
+            self._goodput_for_queue(out)
         head = self._pass(out)
         if head is None and not self._shrunk:
+            if goodput and self._n_queued == 0:
+                self._goodput_rebalance(out)
             self._grow_elastic(out)
+
+    # ================================================================== goodput sizing
+    def _goodput_candidates(self) -> list[tuple[JobRecord, goodput_sizing.Candidate]]:
+        """Running goodput-sized jobs past their resize interval, with their models."""
+        cfg = self.config
+        wait = max(cfg.goodput_interval_s, cfg.min_resize_interval_s)
+        out = []
+        for j in self._flex.values():
+            model = self._models.get(j.req.job_id)
+            if model is None or self.now - j.start_t < wait:
+                continue
+            out.append((j, goodput_sizing.Candidate(
+                job_id=j.req.job_id, model=model, size=j.size, min_size=j.req.min_slots,
+                max_size=j.req.max_slots, replica=j.req.layout.replica,
+                priority=j.req.priority)))
+        self.work.running += len(self._flex)
+        return out
+
+    def _goodput_for_queue(self, out: list[Decision]) -> None:
+        """Jobs wait: goodput-sized jobs give back ranks past their knee (or are probed)."""
+        cfg = self.config
+        for j, c in self._goodput_candidates():
+            change = goodput_sizing.for_queue(c, threshold=cfg.goodput_knee,
+                                              min_confidence=cfg.goodput_min_confidence)
+            if change is None:
+                continue
+            small = self._own_fit(j, change.new)
+            if small is not None:
+                out.append(self._move(j, small, change.reason))
+
+    def _goodput_rebalance(self, out: list[Decision]) -> None:
+        """Nobody waits: move slots between goodput-sized jobs (and free ones) to where they
+        add most speedup."""
+        cfg = self.config
+        cands = self._goodput_candidates()
+        if not cands:
+            return
+        recs = {c.job_id: j for j, c in cands}
+        plan = goodput_sizing.rebalance([c for _, c in cands], self._state.n_free,
+                                        min_gain=cfg.goodput_min_gain,
+                                        min_confidence=cfg.goodput_min_confidence)
+        for change in plan:
+            j = recs[change.job_id]
+            if change.new < j.size:
+                idx = self._own_fit(j, change.new)
+            else:
+                trial = self._copy(self._state)
+                trial.release(j.idx)
+                idx = self._fit(trial, j, size=change.new)
+            if idx is None or int(idx.shape[0]) == j.size:
+                continue  # the slots do not fit a placement now: it keeps its size
+            got = int(idx.shape[0])
+            note = "" if got == change.new else f" ({got} fit now)"
+            out.append(self._move(j, idx, change.reason + note))
+
+    def _shrink_key(self, j: JobRecord) -> tuple[int, int, float, int]:
+        """Order of elastic jobs to shrink for a blocked head: lower priority first; within a
+        priority goodput-sized jobs first, those losing least speedup per slot at their
+        minimum first; then the others with the most ranks above their minimum first."""
+        model = self._models.get(j.req.job_id)
+        spare = j.size - j.req.min_slots
+        if model is None or not spare:
+            return (j.req.priority, 1, float(-spare), j.seq)
+        loss = goodput_sizing.shrink_cost(model, j.size, j.req.min_slots) / spare
+        return (j.req.priority, 0, loss, j.seq)
+
+    def _shrink_reason(self, j: JobRecord, new: int, head: JobRecord) -> str:
+        model = self._models.get(j.req.job_id)
+        why = f"shrunk for {head.req.job_id!r}"
+        if model is None:
+            return why
+        lost = goodput_sizing.shrink_cost(model, j.size, new)
+        how = (f"costs {lost:.0%} of its speedup" if lost >= 0
+               else f"raises its speedup by {-lost:.0%}")
+        return f"{why}: {j.size}->{new} ranks {how}, it starts"
 
     def _pass(self, out: list[Decision]) -> JobRecord | None:
         """One pass over the queue: start what fits, make way for the first blocked job (the
@@ -415,7 +523,8 @@ class Scheduler(JobBook):
                                      or combined[3] <= plan.lost):
             shrinks, victims, head_idx, _ = combined
             for j, small in shrinks:
-                out.append(self._move(j, small, f"shrunk for {req.job_id!r}"))
+                out.append(self._move(j, small, self._shrink_reason(j, int(small.shape[0]),
+                                                                    head)))
             self._shrunk = True
             self._preempt_all(victims, head, out)
             return head_idx
@@ -453,7 +562,7 @@ class Scheduler(JobBook):
         cands = sorted(
             (j for j in self._flex.values()
              if j.req.elastic and j.size > j.req.min_slots and j.req.priority <= req.priority),
-            key=lambda j: (j.req.priority, -(j.size - j.req.min_slots), j.seq),
+            key=self._shrink_key,
         )[: self.MAX_SHRINK]
         shrunk_nums = {j.num for j in cands}
         reclaimable = sum(int(self._by_num[n].idx.shape[0]) for n in cost
@@ -565,7 +674,7 @@ class Scheduler(JobBook):
             (j for j in self._flex.values()
              if j.req.elastic and j.size > j.req.min_slots
              and j.req.priority <= head.req.priority),
-            key=lambda j: (j.req.priority, -(j.size - j.req.min_slots), j.seq),
+            key=self._shrink_key,
         )[: self.MAX_SHRINK]
         surplus = sum(j.size - j.req.min_slots for j in cands)
         if not cands or self._state.n_free + surplus < head.req.min_slots:
@@ -587,7 +696,8 @@ class Scheduler(JobBook):
             if best is not None:
                 plan.append((j, best[0]))
                 for jj, small_idx in plan:
-                    out.append(self._move(jj, small_idx, f"shrunk for {head.req.job_id!r}"))
+                    out.append(self._move(jj, small_idx, self._shrink_reason(
+                        jj, int(small_idx.shape[0]), head)))
                 out.append(self._start(head, best[1], None))
                 self._shrunk = True
                 return True
@@ -616,7 +726,8 @@ class Scheduler(JobBook):
             return
         self.work.running += len(self._flex)
         grow = sorted(
-            (j for j in self._flex.values() if j.size < j.req.size),
+            (j for j in self._flex.values()
+             if j.size < j.req.size and not j.req.goodput_sized),
             key=lambda j: (-j.req.priority, self._fair.key(j.req.team), j.seq),
         )
         wait = self.config.min_resize_interval_s

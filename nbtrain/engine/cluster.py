@@ -290,7 +290,8 @@ class Cluster:
                device: str = "auto",
                on_nonfinite: str = "alert",
                trackers: Sequence[str | TrackerSpec | Tracker] | None = None,
-               mesh: Mapping[str, int] | None = None, replay: Any = None) -> JobHandle:
+               mesh: Mapping[str, int] | None = None, replay: Any = None,
+               sizing: str = "fixed") -> JobHandle:
         """Start a training job on ``world_size`` slots at once (gang), or queue it.
 
         ``recipe``: a training function ``train(ctx, config)`` with its own loop over
@@ -302,6 +303,10 @@ class Cluster:
         :meth:`JobHandle.resize` changes it, a lost worker without a spare shrinks it
         (down to ``min_size``) instead of stopping it, and it grows back into free slots.
         The global batch stays the same at every size (see the README's *Elastic jobs*).
+        ``sizing="goodput"`` (an elastic job) lets the scheduler choose the size in that range
+        from the job's measured step times at each size it ran at: it starts at
+        ``world_size``, gives back ranks that add little while other jobs wait, and takes
+        idle slots where they add most (see the README's *Goodput-driven sizing*).
 
         Returns a :class:`JobHandle` immediately; training runs in the background, in the
         cluster, and goes on if this kernel stops.
@@ -376,7 +381,7 @@ class Cluster:
                        max_restarts=max_restarts, restart_window_s=restart_window_s,
                        fail_fast=fail_fast,
                        on_nonfinite=on_nonfinite, device=device,
-                       mesh=dict(mesh) if mesh is not None else None,
+                       mesh=dict(mesh) if mesh is not None else None, sizing=sizing,
                        extra={"kind": "recipe" if is_recipe else
                               "script" if isinstance(work, ScriptWork) else "function"})
         parse_checkpoint_setting(spec.checkpoint)  # raises ValueError naming the fix

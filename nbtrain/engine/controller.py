@@ -150,6 +150,7 @@ class ClusterController(SchedulerPlugin):
                           worker_return_s=s.worker_return_s, slot_forget_s=s.slot_forget_s),
             SchedulerConfig(team_weights=s.team_weight_map(), preempt_grace_s=s.preempt_grace_s,
                             min_resize_interval_s=s.resize_interval_s,
+                            goodput_interval_s=s.goodput_interval_s,
                             share_window_s=s.share_window_s),
         )
         self.assets: dict[str, JobAssets] = {}

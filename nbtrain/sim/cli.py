@@ -7,6 +7,7 @@ Example::
     nbtrain simulate --trace jobs.csv --plot report.html
     nbtrain simulate --hosts 1024 --hosts-per-leaf 32 --leaves-per-pod 8 --policies nbtrain \
         --jobs 100000 --stream jobs.jsonl --profile
+    nbtrain simulate --policy nbtrain,goodput --load 1.4  # elastic jobs sized by goodput
 
 A replay longer than ``--progress`` seconds (default 5) prints a progress line to stderr that
 often: jobs done, simulated time, decisions per second.
@@ -28,6 +29,7 @@ from nbtrain.sim.compare import ALL_POLICIES, format_table, run_policies
 from nbtrain.sim.ledger import SimResult
 from nbtrain.sim.profile import format_phases, phase_times
 from nbtrain.sim.progress import JobEnd, Progress
+from nbtrain.sim.speedups import with_speedups
 from nbtrain.sim.trace import generate, load_csv, save_csv
 
 __all__ = ["main"]
@@ -55,13 +57,19 @@ def _parser() -> argparse.ArgumentParser:
                    help="largest job in GPUs (default: a quarter of the cluster, at most 1024)")
     t.add_argument("--sweep", type=float, default=1.0,
                    help="mean jobs per submission burst (default 1: Poisson arrivals)")
+    t.add_argument("--elastic", type=float, default=None, metavar="F",
+                   help="share of jobs that are elastic (default 0.15; with a speedup curve, "
+                        "elastic from one replica to twice their size)")
+    t.add_argument("--speedups", action="store_true",
+                   help="give every job a speedup curve (nbtrain.sim.speedups); on by "
+                        "itself when the goodput policy runs")
     t.add_argument("--trace", default=None, help="read jobs from this CSV instead")
     t.add_argument("--save-trace", default=None, help="write the generated trace to this CSV")
     t.add_argument("--no-slowdown", action="store_true",
                    help="placement does not change job speed (default: TP off NVLink and "
                         "needless network hops slow a job, see nbtrain.sim.ledger)")
     o = p.add_argument_group("output")
-    o.add_argument("--policies", default="nbtrain,fifo,first_fit,greedy",
+    o.add_argument("--policies", "--policy", default="nbtrain,fifo,first_fit,greedy",
                    help=f"comma-separated, from {','.join(ALL_POLICIES)}")
     o.add_argument("--plot", default=None, help="write Bokeh plots to this HTML file")
     o.add_argument("--json", action="store_true", help="end with one JSON line of metrics")
@@ -98,6 +106,10 @@ def main(argv: list[str]) -> int:
                              max_size=max_size, gpus_per_host=args.gpus_per_host,
                              sweep_mean=args.sweep)
             source = f"{len(trace)} generated jobs, load {args.load}, seed {args.seed}"
+        if args.speedups or "goodput" in policies or args.elastic is not None:
+            trace = with_speedups(trace, seed=args.seed, elastic_fraction=args.elastic,
+                                  max_size=topo.n_slots)
+            source += ", with speedup curves (nbtrain.sim.speedups)"
         if args.save_trace:
             save_csv(trace, args.save_trace)
         stream = _stream(args.stream)

@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 from nbtrain.core.topology import Topology
-from nbtrain.sim.gang import GANG_POLICIES, simulate_gang
+from nbtrain.sim.gang import GANG_POLICIES, SIZING_POLICIES, simulate_gang
 from nbtrain.sim.greedy import simulate_greedy
 from nbtrain.sim.ledger import SimResult
 from nbtrain.sim.progress import JobEnd, Progress
@@ -14,7 +14,7 @@ from nbtrain.sim.trace import TraceJob
 
 __all__ = ["ALL_POLICIES", "COLUMNS", "format_table", "run_policies"]
 
-ALL_POLICIES: tuple[str, ...] = ("nbtrain", "fifo", "first_fit", "random", "greedy")
+ALL_POLICIES: tuple[str, ...] = ("nbtrain", "fifo", "first_fit", "random", "greedy", "goodput")
 
 COLUMNS: tuple[tuple[str, str, str], ...] = (
     # (metric, header, format)
@@ -58,7 +58,7 @@ def run_policies(
                                         horizon_s=horizon_s, exposed=exposed,
                                         progress=progress, progress_every_s=progress_every_s,
                                         on_job_end=on_job_end)
-        elif name in GANG_POLICIES:
+        elif name in GANG_POLICIES or name in SIZING_POLICIES:
             out[name] = simulate_gang(topology, trace, name, team_weights=team_weights,
                                       seed=seed, horizon_s=horizon_s, exposed=exposed,
                                       progress=progress, progress_every_s=progress_every_s,

@@ -6,10 +6,16 @@ events, carries out the decisions (start, preempt, resize) on simulated time, an
 (``SimResult.schedule_hash``).
 
 Work model: a job needs ``size * duration_s`` slot-seconds of work and progresses at its
-allocated size, slowed by a poor placement (``Ledger.slowdown``: TP over the network makes a
+allocated size (or, for a job with a speedup curve, ``TraceJob.step_s``, at the speed the
+curve gives that size), slowed by a poor placement (``Ledger.slowdown``: TP over the network makes a
 step longer). A preempted job checkpoints within ``checkpoint_write_s`` (kept if that is
 within the grace period, otherwise the ranks are killed at the grace period and the job falls
 back to its last periodic checkpoint); each restart costs ``restart_s`` before progress resumes.
+
+Under ``policy="goodput"`` (nbtrain's policy with the trace's elastic jobs goodput-sized) the
+simulator also plays the ranks' part of measuring: ``measure_after_s`` after each start or
+resize of such a job, and every ``measure_every_s`` after that, it sends ``StepTimes`` with
+the curve's step time at the job's size, with ``measure_noise`` relative jitter.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from nbtrain.core.sched_types import (
     ResizeJob,
     SchedulerConfig,
     StartJob,
+    StepTimes,
     Submit,
 )
 from nbtrain.core.scheduler import Scheduler
@@ -41,7 +48,7 @@ from nbtrain.sim.ledger import Ledger, SimResult
 from nbtrain.sim.progress import JobEnd, Meter, Progress
 from nbtrain.sim.trace import TEAMS, TraceJob
 
-__all__ = ["GANG_POLICIES", "simulate_gang"]
+__all__ = ["GANG_POLICIES", "SIZING_POLICIES", "simulate_gang"]
 
 IntArray = npt.NDArray[np.int64]
 
@@ -54,6 +61,10 @@ GANG_POLICIES: dict[str, SchedulerConfig] = {
 }
 """Policies that drive ``nbtrain.core.Scheduler``: nbtrain's own, FIFO gang without backfill,
 and nbtrain's queueing with naive placement (first fit, random)."""
+
+SIZING_POLICIES: dict[str, str] = {"goodput": "nbtrain"}
+"""Policies that run a ``GANG_POLICIES`` config with the trace's elastic jobs goodput-sized
+(``JobRequest.sizing="goodput"``)."""
 
 
 @dataclass
@@ -68,6 +79,13 @@ class _Run:
     overhead: float = 0.0
     restarts: int = 0
     done: bool = False
+
+    def rate(self, n: int) -> float:
+        """Work (slot-seconds at the requested size) done per second on ``n`` ranks."""
+        j = self.job
+        if not j.has_curve:
+            return n
+        return j.size * j.step_s(j.size) / j.step_s(n)
 
 
 def simulate_gang(
@@ -86,6 +104,10 @@ def simulate_gang(
     progress: Callable[[Progress], None] | None = None,
     progress_every_s: float = 5.0,
     on_job_end: Callable[[JobEnd], None] | None = None,
+    measure_after_s: float = 120.0,
+    measure_every_s: float = 1800.0,
+    measure_noise: float = 0.05,
+    sizing: str | None = None,
 ) -> SimResult:
     """Replay ``trace`` on ``topology`` under a gang policy (a name in ``GANG_POLICIES`` or a
     ``SchedulerConfig``). ``horizon_s`` stops the clock early. Utilization and fair share are
@@ -93,13 +115,23 @@ def simulate_gang(
     stretch where the offered load holds; JCT and waits cover every job.
 
     ``progress`` is called at most every ``progress_every_s`` wall seconds, ``on_job_end`` as
-    each job finishes or is rejected (see ``nbtrain.sim.progress``)."""
+    each job finishes or is rejected (see ``nbtrain.sim.progress``). ``sizing="goodput"``
+    goodput-sizes the elastic jobs under any config (default: only for the goodput
+    policy)."""
+    chosen = sizing
+    sizing = "fixed"
     if isinstance(policy, str):
-        if policy not in GANG_POLICIES:
-            raise ValueError(f"unknown gang policy {policy!r}; choose from {list(GANG_POLICIES)}")
-        name, cfg = policy, GANG_POLICIES[policy]
+        if policy in SIZING_POLICIES:
+            sizing = "goodput"
+            name, cfg = policy, GANG_POLICIES[SIZING_POLICIES[policy]]
+        elif policy not in GANG_POLICIES:
+            raise ValueError(f"unknown gang policy {policy!r}; choose from "
+                             f"{[*GANG_POLICIES, *SIZING_POLICIES]}")
+        else:
+            name, cfg = policy, GANG_POLICIES[policy]
     else:
         name, cfg = "custom", policy
+    sizing = chosen or sizing
     weights = dict(team_weights if team_weights is not None else _weights(trace))
     cfg = replace(cfg, team_weights=weights, seed=seed)
     sched = Scheduler(topology, cfg)
@@ -110,6 +142,9 @@ def simulate_gang(
     end = window_end if window_end is not None else (horizon_s or last_arrival or 1.0)
     led = Ledger(topology, jobs, weights, end, window_start=warmup * end, exposed=exposed)
     runs = {j.job_id: _Run(j, Layout(tp=j.tp, pp=j.pp), j.size * j.duration_s) for j in trace}
+    reqs = {j.job_id: j.request(sizing) for j in trace}
+    measured = {k for k, r in reqs.items() if r.goodput_sized}
+    noise = np.random.default_rng([seed, 2029])
     heap: list[tuple[float, int, int, str, str, int]] = []
     seq = 0
     for j in trace:
@@ -138,10 +173,18 @@ def simulate_gang(
         run = runs[job_id]
         event: Event
         if kind == "arrive":
-            event = Submit(t, run.job.request())
+            event = Submit(t, reqs[job_id])
             led.waiting += 1
         elif gen != run.gen:
             continue  # a finish made stale by a preemption or resize
+        elif kind == "measure":
+            if run.idx is None:
+                continue  # it finished in this generation
+            n = int(run.idx.shape[0])
+            step = run.job.step_s(n) * run.slowdown * float(noise.lognormal(0.0, measure_noise))
+            event = StepTimes(t, job_id, n, step, steps=100.0)
+            seq += 1
+            heapq.heappush(heap, (t + measure_every_s, 1, seq, "measure", job_id, gen))
         elif kind == "finish":
             assert run.idx is not None
             led.seg_close(t, job_id)
@@ -175,6 +218,10 @@ def simulate_gang(
                 run.slowdown = led.seg_open(t, d.job_id, idx, run.layout)
                 seq += 1
                 heapq.heappush(heap, (_finish_at(run, t), 0, seq, "finish", d.job_id, run.gen))
+                if d.job_id in measured:
+                    seq += 1
+                    heapq.heappush(heap, (t + run.overhead + measure_after_s, 1, seq,
+                                          "measure", d.job_id, run.gen))
             elif isinstance(d, PreemptJob):
                 led.log(t, "preempt", d.job_id)
                 led.preemptions += 1
@@ -200,6 +247,10 @@ def simulate_gang(
                 run.slowdown = led.seg_open(t, d.job_id, idx, run.layout)
                 seq += 1
                 heapq.heappush(heap, (_finish_at(run, t), 0, seq, "finish", d.job_id, run.gen))
+                if d.job_id in measured:
+                    seq += 1
+                    heapq.heappush(heap, (t + run.overhead + measure_after_s, 1, seq,
+                                          "measure", d.job_id, run.gen))
             elif isinstance(d, RejectJob):
                 led.log(t, "reject", d.job_id)
                 led.rejected.add(d.job_id)
@@ -225,7 +276,7 @@ def simulate_gang(
 
 def _finish_at(run: _Run, t: float) -> float:
     assert run.idx is not None
-    return float(t + run.overhead + run.remaining * run.slowdown / run.idx.shape[0])
+    return float(t + run.overhead + run.remaining * run.slowdown / run.rate(run.idx.shape[0]))
 
 
 def _progress(run: _Run, t: float, grace: float, write_s: float) -> float:
@@ -238,7 +289,7 @@ def _progress(run: _Run, t: float, grace: float, write_s: float) -> float:
         every = run.job.checkpoint_every_s
         kept = math.floor(ran / every) * every if every else 0.0
         delay = grace
-    run.remaining = max(0.0, run.remaining - kept * run.idx.shape[0] / run.slowdown)
+    run.remaining = max(0.0, run.remaining - kept * run.rate(run.idx.shape[0]) / run.slowdown)
     return delay
 
 

@@ -29,7 +29,12 @@ TEAMS: dict[str, float] = {"vision": 1.0, "speech": 1.0, "nlp": 2.0, "llm": 4.0}
 class TraceJob:
     """One job of a trace. ``duration_s`` is the runtime at ``size`` ranks with no preemption;
     elastic jobs (``min_size``) run ``duration_s * size / ranks`` at another size.
-    ``est_duration_s`` is what the user told the scheduler (a limit, usually too long)."""
+    ``est_duration_s`` is what the user told the scheduler (a limit, usually too long).
+
+    ``serial``, ``sync`` and ``sync_per_rank`` (all set or all ``None``) give the job a
+    speedup curve (``nbtrain.sim.speedups``): then an elastic job runs at ``ranks`` with the
+    speed ``step_s`` says, not in proportion to its ranks. ``max_size`` is how far a
+    goodput-sized job may grow (default ``size``)."""
 
     job_id: str
     submit_s: float
@@ -42,8 +47,39 @@ class TraceJob:
     min_size: int | None = None
     est_duration_s: float | None = None
     checkpoint_every_s: float | None = 1800.0
+    max_size: int | None = None
+    serial: float | None = None
+    sync: float | None = None
+    sync_per_rank: float | None = None
 
-    def request(self) -> JobRequest:
+    def __post_init__(self) -> None:
+        curve = (self.serial, self.sync, self.sync_per_rank)
+        if any(v is None for v in curve) and any(v is not None for v in curve):
+            raise ValueError(f"job {self.job_id!r}: serial, sync and sync_per_rank are set "
+                             "together or not at all")
+        if self.serial is not None and not 0.0 <= self.serial < 1.0:
+            raise ValueError(f"job {self.job_id!r}: serial={self.serial!r} must be in [0, 1)")
+        if any(v is not None and v < 0 for v in curve[1:]):
+            raise ValueError(f"job {self.job_id!r}: sync and sync_per_rank must be >= 0")
+
+    @property
+    def has_curve(self) -> bool:
+        return self.serial is not None
+
+    def step_s(self, ranks: int) -> float:
+        """Seconds per step at ``ranks`` (one per step on a single replica); without a
+        curve, perfect scaling."""
+        k = max(1, ranks // (self.tp * self.pp))
+        if self.serial is None or self.sync is None or self.sync_per_rank is None:
+            return 1.0 / k
+        sync = self.sync + self.sync_per_rank * (k - 1) if k > 1 else 0.0
+        return self.serial + (1.0 - self.serial) / k + sync
+
+    def request(self, sizing: str = "fixed") -> JobRequest:
+        """The scheduler's request; ``sizing="goodput"`` opts an elastic job in (others
+        stay fixed)."""
+        goodput = sizing == "goodput" and self.min_size is not None and (
+            self.min_size < self.size or (self.max_size or self.size) > self.size)
         return JobRequest(
             job_id=self.job_id,
             size=self.size,
@@ -53,6 +89,8 @@ class TraceJob:
             team=self.team,
             est_duration_s=self.est_duration_s,
             checkpoint_every_s=self.checkpoint_every_s,
+            sizing="goodput" if goodput else "fixed",
+            max_size=self.max_size if goodput else None,
         )
 
 
@@ -161,7 +199,8 @@ def save_csv(jobs: Iterable[TraceJob], path: str | Path) -> None:
 
 def load_csv(path: str | Path) -> list[TraceJob]:
     """Read a trace CSV. Required columns: job_id, submit_s, size, duration_s; optional:
-    priority, team, tp, pp, min_size, est_duration_s, checkpoint_every_s. Sorted by submit_s."""
+    priority, team, tp, pp, min_size, est_duration_s, checkpoint_every_s, max_size, serial,
+    sync, sync_per_rank. Sorted by submit_s."""
     out: list[TraceJob] = []
     with open(path, newline="") as fh:
         reader = csv.DictReader(fh)
@@ -197,6 +236,9 @@ def _row(row: dict[str, str]) -> TraceJob:
             kwargs[name] = value
     kwargs["min_size"] = opt("min_size", int)
     kwargs["est_duration_s"] = opt("est_duration_s", float)
+    kwargs["max_size"] = opt("max_size", int)
+    for name in ("serial", "sync", "sync_per_rank"):
+        kwargs[name] = opt(name, float)
     if "checkpoint_every_s" in row:
         kwargs["checkpoint_every_s"] = opt("checkpoint_every_s", float)
     job = TraceJob(**kwargs)  # type: ignore[arg-type]

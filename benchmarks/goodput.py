@@ -1,0 +1,115 @@
+"""Goodput-driven sizing at 8,192 GPUs: job completion times against nbtrain's own policy on
+the same Philly-like trace and load.
+
+Cluster: 1,024 hosts x 8 GPUs (one NVSwitch per host), 32 hosts per leaf switch, 8 leaves per
+pod, as in ``benchmarks/scheduler.py``. Trace: ``nbtrain.sim.trace.generate`` (the Philly-like
+generator: power-of-two sizes 1-1,024 GPUs with P(2^k) ~ 2^(-k/2), log-normal durations with a
+30 min median, 4 teams weighted 1:1:2:4, 80/15/5% at priority 0/1/2, tp=8 from one host up)
+at offered load 1.4, with a speedup curve on every job (``nbtrain.sim.speedups``) and a share
+``--elastic`` of the jobs of two replicas or more elastic from one replica to twice their
+size. The peer is today's policy, ``nbtrain``, on that very trace: elastic jobs shrink for a
+blocked head and grow back into idle slots. ``goodput`` is the same scheduler with those jobs
+goodput-sized: the simulator sends the step times each size runs at (5% jitter), the scheduler
+fits each job's curve and sizes it from there (``nbtrain.core.goodput_sizing``).
+
+Figures (last stdout line, JSON): ``mean_jct_ratio`` and ``p99_jct_ratio`` (goodput over
+nbtrain; below 1 is better), ``jain_fairness`` (Jain's index of per-team slot use over weight,
+goodput policy; ``_nbtrain`` for the peer), ``resizes_per_job`` (resizes in the replay over
+jobs in the trace), ``decision_p99_ms`` (p99 of the goodput policy's ``Scheduler.handle``
+calls at 8,192 GPUs; wall clock on this machine, so noisy on a shared box), utilisation of
+both, and ``targets`` (the issue's: mean_jct_ratio <= 0.7 at load 1.4, decision_p99_ms <= 50)
+with whether each was met in this run.
+
+Run: ``python benchmarks/goodput.py --quick`` (a reduced trace, 1,500 jobs: under half a
+minute on two cores) or without ``--quick`` (4,000 jobs, about a minute and a half).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import numpy as np
+
+from nbtrain.core.topology import Topology
+from nbtrain.sim.compare import format_table
+from nbtrain.sim.gang import simulate_gang
+from nbtrain.sim.ledger import SimResult
+from nbtrain.sim.speedups import with_speedups
+from nbtrain.sim.trace import generate
+
+SIZE_ALPHA = 0.5
+LOAD = 1.4
+TARGET_JCT_RATIO = 0.7
+TARGET_P99_MS = 50.0
+
+
+def _jct_p99_h(res: SimResult) -> float:
+    jcts = [j["jct"] for j in res.jobs.values() if "jct" in j]
+    return float(np.percentile(jcts, 99)) / 3600 if jcts else float("nan")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="1,500 jobs instead of 4,000")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--jobs", type=int, default=None, help="jobs in the trace")
+    ap.add_argument("--elastic", type=float, default=1.0,
+                    help="share of the jobs of two replicas or more that are elastic "
+                         "(default 1: every such job, as Pollux assumes)")
+    args = ap.parse_args()
+    n_jobs = args.jobs or (1500 if args.quick else 4000)
+    topo = Topology.declare(1024, 8, hosts_per_leaf=32, leaves_per_pod=8)
+    print(f"cluster: {topo.describe()}")
+    t_all = time.perf_counter()
+    trace = with_speedups(
+        generate(n_jobs, topo.n_slots, load=LOAD, seed=args.seed, size_alpha=SIZE_ALPHA),
+        seed=args.seed, elastic_fraction=args.elastic, max_size=1024)
+    n_elastic = sum(1 for j in trace if j.min_size is not None)
+    print(f"trace: {n_jobs} jobs at load {LOAD}, {n_elastic} elastic, arrival window "
+          f"{trace[-1].submit_s / 3600:.1f} simulated hours")
+    results = {name: simulate_gang(topo, trace, name, seed=args.seed)
+               for name in ("nbtrain", "goodput")}
+    print(format_table(results))
+    ours, peer = results["goodput"].metrics, results["nbtrain"].metrics
+    p99_ours, p99_peer = _jct_p99_h(results["goodput"]), _jct_p99_h(results["nbtrain"])
+    figures: dict[str, Any] = {
+        "gpus": topo.n_slots,
+        "jobs": n_jobs,
+        "elastic_jobs": n_elastic,
+        "load": LOAD,
+        "mean_jct_ratio": round(ours["jct_mean_h"] / peer["jct_mean_h"], 4),
+        "p99_jct_ratio": round(p99_ours / p99_peer, 4),
+        "jct_mean_h": round(ours["jct_mean_h"], 3),
+        "jct_mean_h_nbtrain": round(peer["jct_mean_h"], 3),
+        "jct_p99_h": round(p99_ours, 3),
+        "jct_p99_h_nbtrain": round(p99_peer, 3),
+        "jain_fairness": round(ours["jain"], 4),
+        "jain_fairness_nbtrain": round(peer["jain"], 4),
+        "resizes_per_job": round(ours["resizes"] / n_jobs, 4),
+        "resizes_per_job_nbtrain": round(peer["resizes"] / n_jobs, 4),
+        "decision_p99_ms": round(ours["decision_p99_ms"], 3),
+        "decision_p99_ms_nbtrain": round(peer["decision_p99_ms"], 3),
+        "util": round(ours["util"], 4),
+        "util_nbtrain": round(peer["util"], 4),
+        "unfinished": int(ours["unfinished"] + peer["unfinished"]),
+    }
+    figures["targets"] = {
+        "mean_jct_ratio": TARGET_JCT_RATIO,
+        "mean_jct_ratio_met": figures["mean_jct_ratio"] <= TARGET_JCT_RATIO,
+        "decision_p99_ms": TARGET_P99_MS,
+        "decision_p99_ms_met": figures["decision_p99_ms"] <= TARGET_P99_MS,
+    }
+    figures["wall_s"] = round(time.perf_counter() - t_all, 1)
+    print(f"\nmean JCT goodput/nbtrain {figures['mean_jct_ratio']:.3f} (target <= "
+          f"{TARGET_JCT_RATIO}), p99 {figures['p99_jct_ratio']:.3f}; resizes per job "
+          f"{figures['resizes_per_job']:.2f} (nbtrain {figures['resizes_per_job_nbtrain']:.2f});"
+          f" decision p99 {figures['decision_p99_ms']:.1f} ms (target <= {TARGET_P99_MS:g})")
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

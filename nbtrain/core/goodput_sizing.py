@@ -1,0 +1,196 @@
+"""Sizes for goodput-sized jobs from their goodput models (pure; no clock, no I/O).
+
+The scheduler (``nbtrain.core.scheduler``) calls these with its own books and carries the
+answers out as ``ResizeJob`` decisions; they decide sizes, never placements. Speedups are
+each job's goodput relative to the size it asked for (``GoodputModel.speedup``), so the sum
+over jobs is the cluster's goodput with every job weighted alike (Pollux's objective, without
+its fairness exponent: fair share orders the queue, as for every other job).
+
+Three rules, each with its reason in words:
+
+- ``rebalance`` (nobody waits): the slots that are free, plus those goodput jobs could give
+  back, go one replica at a time to the job whose speedup rises most per slot (higher
+  priority first), each job between its floor and its ceiling. A job's floor is its current
+  size unless its curve is trusted at its minimum (``min_confidence``), its ceiling
+  ``min(max_size, explore_limit)``. Growth that adds less than ``min_gain`` to a job's
+  speedup is dropped, and so are shrinks no growth needs; the whole plan must gain at least
+  ``min_gain`` (of one job's speedup) over what it loses, or nothing moves.
+- ``for_queue`` (jobs wait): a job gives back the ranks past its knee, the largest size whose
+  last replica still adds ``knee`` of an average rank's speedup, when its curve is trusted
+  there. A job measured at one size only is probed at half of it (not below its minimum), so
+  its first curve is filled in while the slots help a waiting job.
+- ``shrink_cost``: what a shrink costs a job, for choosing whom to shrink for a blocked head
+  (the smallest loss per slot goes first) and for the reason shown.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from nbtrain.core.goodputmodel import GoodputModel
+
+__all__ = ["Candidate", "SizeChange", "for_queue", "knee", "rebalance", "shrink_cost"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One running goodput-sized job, as the rules see it."""
+
+    job_id: str
+    model: GoodputModel
+    size: int
+    min_size: int
+    max_size: int
+    replica: int
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class SizeChange:
+    """Resize ``job_id`` from ``old`` to ``new`` ranks, because ``reason``."""
+
+    job_id: str
+    old: int
+    new: int
+    reason: str
+
+
+def shrink_cost(model: GoodputModel, old: int, new: int) -> float:
+    """Share of its speedup a job loses going from ``old`` to ``new`` ranks (< 0: a gain)."""
+    return 1.0 - model.speedup(new) / model.speedup(old)
+
+
+def _marginal(model: GoodputModel, n: int, r: int) -> float:
+    """Speedup the last replica at ``n`` ranks adds per rank, over the average rank's."""
+    s = model.speedup(n)
+    if n <= r or s <= 0:
+        return 1.0
+    return (s - model.speedup(n - r)) / r / (s / n)
+
+
+def knee(model: GoodputModel, size: int, min_size: int, replica: int,
+         threshold: float) -> int:
+    """Largest size in ``[min_size, size]`` whose last replica adds at least ``threshold`` of
+    an average rank's speedup (``min_size`` when none does)."""
+    n = size
+    while n - replica >= min_size and _marginal(model, n, replica) < threshold:
+        n -= replica
+    return n
+
+
+def _ceiling(c: Candidate) -> int:
+    limit = c.model.explore_limit()
+    top = c.max_size if limit is None else min(c.max_size, max(limit, c.size))
+    return max(c.size, top // c.replica * c.replica)
+
+
+def _waterfill(cands: Sequence[Candidate], free: int,
+               min_confidence: float) -> dict[str, int]:
+    """Sizes that maximise the summed speedup, one replica at a time (see ``rebalance``)."""
+    alloc = {}
+    for c in cands:
+        trusted = (c.model.confidence(c.min_size) >= min_confidence
+                   and c.model.confidence(c.size) >= min_confidence)
+        alloc[c.job_id] = c.min_size if trusted else c.size
+    pool = free + sum(c.size - alloc[c.job_id] for c in cands)
+    heap: list[tuple[int, float, str]] = []
+    by_id = {c.job_id: c for c in cands}
+    ceiling = {c.job_id: _ceiling(c) for c in cands}
+
+    def push(c: Candidate) -> None:
+        n = alloc[c.job_id]
+        if n + c.replica > ceiling[c.job_id]:
+            return
+        gain = (c.model.speedup(n + c.replica) - c.model.speedup(n)) / c.replica
+        if gain > 0:
+            heapq.heappush(heap, (-c.priority, -gain, c.job_id))
+
+    for c in cands:
+        push(c)
+    while heap and pool > 0:
+        _, _, jid = heapq.heappop(heap)
+        c = by_id[jid]
+        if c.replica > pool:
+            continue
+        alloc[jid] += c.replica
+        pool -= c.replica
+        push(c)
+    return alloc
+
+
+def rebalance(cands: Sequence[Candidate], free: int, *, min_gain: float,
+              min_confidence: float) -> list[SizeChange]:
+    """Sizes that raise the summed speedup of ``cands`` on their slots plus ``free`` (see
+    the module docstring); shrinks come first in the list, so growth can use their slots."""
+    alloc = _waterfill(cands, free, min_confidence)
+    by_id = {c.job_id: c for c in cands}
+    grows = {c.job_id: alloc[c.job_id] for c in cands if alloc[c.job_id] > c.size
+             and c.model.speedup(alloc[c.job_id]) / c.model.speedup(c.size) - 1 >= min_gain}
+    need = sum(n - by_id[j].size for j, n in grows.items()) - free
+    shrinks: list[tuple[float, str]] = sorted(
+        (shrink_cost(c.model, c.size, alloc[c.job_id]) / (c.size - alloc[c.job_id]), c.job_id)
+        for c in cands if alloc[c.job_id] < c.size)
+    kept: dict[str, int] = {}
+    for _, jid in shrinks:  # the cheapest per slot first, only as many as growth needs
+        if need <= 0:
+            break
+        kept[jid] = alloc[jid]
+        need -= by_id[jid].size - alloc[jid]
+    if need > 0:  # cannot happen (growth was paid for by these shrinks); never overcommit
+        return []
+    gained = sum(by_id[j].model.speedup(n) - by_id[j].model.speedup(by_id[j].size)
+                 for j, n in grows.items())
+    lost = sum(by_id[j].model.speedup(by_id[j].size) - by_id[j].model.speedup(n)
+               for j, n in kept.items())
+    if not grows or gained - lost < min_gain:
+        return []
+    return _changes(by_id, kept, grows, gained - lost, min_confidence)
+
+
+def _changes(by_id: dict[str, Candidate], kept: dict[str, int], grows: dict[str, int],
+             net: float, min_confidence: float) -> list[SizeChange]:
+    growers = ", ".join(sorted(grows))
+    verb = "grows" if len(grows) == 1 else "grow"
+    out = [SizeChange(j, by_id[j].size, n,
+                      f"goodput: {by_id[j].size}->{n} ranks "
+                      f"{_costs(shrink_cost(by_id[j].model, by_id[j].size, n))}; "
+                      f"{growers} {verb} (+{net:.2f} job-speedups in all)")
+           for j, n in sorted(kept.items())]
+    for j, n in sorted(grows.items()):
+        c = by_id[j]
+        gain = c.model.speedup(n) / c.model.speedup(c.size) - 1
+        how = "exploring: " if c.model.confidence(n) < min_confidence else ""
+        out.append(SizeChange(j, c.size, n, f"goodput: {how}{c.size}->{n} ranks adds "
+                                            f"{gain:.0%} to its speedup"))
+    return out
+
+
+def for_queue(c: Candidate, *, threshold: float, min_confidence: float) -> SizeChange | None:
+    """While jobs wait: give back the ranks past the knee, or probe a job known at one size
+    only at half of it (see the module docstring); ``None`` when it keeps its size."""
+    m = c.model
+    if c.size <= c.min_size:
+        return None
+    if len(m.sizes) < 2:
+        if not m.sizes:
+            return None
+        half = max(c.min_size, c.size // 2 // c.replica * c.replica)
+        if half >= c.size:
+            return None
+        return SizeChange(c.job_id, c.size, half,
+                          f"goodput: exploring: measured at {m.sizes[0]} ranks only; tries "
+                          f"{half} while jobs wait, its {c.size - half} ranks go to them")
+    new = knee(m, c.size, c.min_size, c.replica, threshold)
+    if new >= c.size or min(m.confidence(c.size), m.confidence(new)) < min_confidence:
+        return None
+    lost = shrink_cost(m, c.size, new)
+    return SizeChange(c.job_id, c.size, new,
+                      f"goodput: {c.size}->{new} ranks {_costs(lost)}; its {c.size - new} "
+                      "ranks go to waiting jobs")
+
+
+def _costs(lost: float) -> str:
+    return (f"costs {lost:.0%} of its speedup" if lost >= 0
+            else f"raises its speedup by {-lost:.0%}")

@@ -1,0 +1,145 @@
+"""One job's goodput at each size it could run at, and how far to trust it (pure).
+
+``goodput(n) = throughput(n) * efficiency(batch(n))``: samples per second at ``n`` ranks
+(``nbtrain.core.speedup``, fitted from the job's own step times at the sizes it ran at) times
+the progress each sample makes (``nbtrain.core.gradnoise``; 1 without a noise scale, and the
+same at every size when the global batch is fixed). The scheduler compares sizes of one job
+through ``speedup(n) = goodput(n) / goodput(ref_size)``, ``ref_size`` being the size its user
+asked for, so jobs of any speed weigh alike.
+
+Exploration: a job starts at the size it asked for, with no curve. Until it has been measured
+at two sizes the model assumes perfect scaling from the sizes it knows (every rank adds what
+the measured ones do), up to ``explore_factor`` (2) times the largest size measured, and no gain
+beyond (Pollux caps exploration the same way). So the first curve fills in when the scheduler
+moves the job anyway (a shrink for a waiting job, growth into idle slots), and each new size
+refits it.
+
+Confidence, in [0, 1], is a heuristic product of three factors: *support*,
+``1 - 1/k`` for ``k`` distinct sizes measured (0 with one: a single size fixes no shape);
+*coverage*, 1 inside the measured range and halving per doubling outside it; *quality*,
+``exp(-(rms residual + mean relative standard error) / noise_tolerance)``, so a curve that
+fits badly, or rests on noisy means, counts for less.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from nbtrain.core.gradnoise import efficiency
+from nbtrain.core.speedup import SizeStats, StepTimeCurve, fit_step_time
+
+__all__ = ["GoodputModel", "GoodputSettings"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GoodputSettings:
+    """explore_factor: how far past the largest size measured a job may be valued (and so
+        grown) before it is measured there; 2 doubles at most per step of exploration.
+    noise_tolerance: relative error (fit residual plus the standard error of the means) at
+        which confidence falls by a factor e; about twice the step-time jitter that is
+        normal for the job (0.1 for a step time that varies by ~5%).
+    """
+
+    explore_factor: float = 2.0
+    noise_tolerance: float = 0.1
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.explore_factor >= 1.0:
+            problems.append(f"explore_factor must be >= 1 (1: no exploration), got "
+                            f"{self.explore_factor!r}")
+        if not self.noise_tolerance > 0:
+            problems.append(f"noise_tolerance must be > 0, got {self.noise_tolerance!r}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+@dataclass
+class GoodputModel:
+    """Measured step times of one job by size, its fitted curve, its goodput by size."""
+
+    ref_size: int
+    global_batch: float = 1.0
+    per_rank_batch: float | None = None
+    settings: GoodputSettings = field(default_factory=GoodputSettings)
+    noise_scale: float | None = None
+    _stats: dict[int, SizeStats] = field(default_factory=dict)
+    _fit: tuple[StepTimeCurve, float] | None = None
+    _stale: bool = False
+
+    def __post_init__(self) -> None:
+        if self.ref_size < 1:
+            raise ValueError(f"ref_size must be >= 1, got {self.ref_size!r}")
+
+    # ------------------------------------------------------------------ input
+    def observe(self, size: int, step_s: float, steps: float = 1.0) -> None:
+        """A mean step time measured at ``size`` ranks over ``steps`` steps."""
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size!r}")
+        self._stats.setdefault(size, SizeStats()).add(step_s, steps)
+        self._stale = True
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Sizes measured, ascending."""
+        return tuple(sorted(self._stats))
+
+    def curve(self) -> StepTimeCurve | None:
+        """The fitted curve, once two sizes are measured (else ``None``)."""
+        if len(self._stats) < 2:
+            return None
+        if self._stale or self._fit is None:
+            self._fit = fit_step_time(self._stats.items(), global_batch=self.global_batch,
+                                      per_rank_batch=self.per_rank_batch)
+            self._stale = False
+        return None if self._fit is None else self._fit[0]
+
+    # ------------------------------------------------------------------ output
+    def _batch(self, n: int) -> float:
+        return self.global_batch if self.per_rank_batch is None else self.per_rank_batch * n
+
+    def explore_limit(self) -> int | None:
+        """Largest size valued without a measurement near it (``None``: nothing measured)."""
+        if not self._stats:
+            return None
+        return max(1, int(max(self._stats) * self.settings.explore_factor))
+
+    def throughput(self, n: int) -> float:
+        """Samples per second predicted at ``n`` ranks (relative units before any
+        measurement: ``n``)."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n!r}")
+        limit = self.explore_limit()
+        if limit is not None:
+            n = min(n, limit)  # no gain is assumed past what exploration may reach
+        curve = self.curve()
+        if curve is not None:
+            return curve.throughput(n)
+        if not self._stats:
+            return float(n)
+        # Perfect scaling from the nearest size measured.
+        near = min(self._stats, key=lambda s: (abs(math.log(n / s)), s))
+        return self._batch(near) / self._stats[near].mean * n / near
+
+    def goodput(self, n: int) -> float:
+        """Useful samples per second at ``n`` ranks: throughput times efficiency."""
+        return self.throughput(n) * efficiency(self._batch(n), self._batch(self.ref_size),
+                                               self.noise_scale)
+
+    def speedup(self, n: int) -> float:
+        """``goodput(n) / goodput(ref_size)``."""
+        return self.goodput(n) / self.goodput(self.ref_size)
+
+    def confidence(self, n: int) -> float:
+        """How far to trust ``goodput(n)``, in [0, 1] (see the module docstring)."""
+        k = len(self._stats)
+        if k < 2 or self.curve() is None or self._fit is None:
+            return 0.0
+        support = 1.0 - 1.0 / k
+        lo, hi = min(self._stats), max(self._stats)
+        edge = lo if n < lo else hi if n > hi else n
+        coverage = math.pow(0.5, abs(math.log2(n / edge)))
+        se = sum(s.rel_se for s in self._stats.values()) / k
+        quality = math.exp(-(self._fit[1] + se) / self.settings.noise_tolerance)
+        return support * coverage * quality

@@ -1,0 +1,144 @@
+"""Step time of a data-parallel job as a function of its size, fitted from measured steps (pure).
+
+The form is Pollux's throughput model (Qiao et al., OSDI'21, section 3.2) with its overlap
+exponent fixed at 1::
+
+    step_s(n) = a + b * m(n) + [n > 1] * (c + d * (n - 1))
+
+``n`` ranks, ``m(n)`` the per-rank batch: ``global_batch / n`` with nbtrain's loader, which
+keeps the global batch fixed, or a fixed ``per_rank_batch`` for a job whose global batch
+grows with its size. ``a``: per-step time that does not shrink with more ranks
+(optimizer step, input pipeline on the critical path); ``b``: compute time per sample; ``c``:
+the gradient all-reduce once there are peers (a ring's bandwidth term is nearly constant in
+``n``); ``d``: what each further rank adds (latency hops, stragglers). Throughput is
+``n * m(n) / step_s(n)`` samples per second.
+
+Why this form: compute falls as the local batch shrinks, communication appears at the second
+rank and grows slowly with more, and a serial part bounds the speedup (Amdahl). Pollux also
+fits an exponent ``g`` (``step = (compute**g + sync**g)**(1/g)``) for the overlap of backward
+and all-reduce; with the three or four sizes a job runs at, ``g`` cannot be told apart from
+the split between ``a`` and ``c``, so it is fixed at 1 (no overlap), which errs on the side
+of predicting too little speedup, never too much.
+
+Fitting: least squares on the *relative* error of the mean step time at each size measured,
+weighted by how many steps each mean holds, with every coefficient kept >= 0 (exact: each
+subset of coefficients is solved and the best non-negative one kept; there are at most 15).
+A fit never has more free coefficients than distinct sizes measured, so two sizes give a
+two-coefficient curve rather than an arbitrary one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["SizeStats", "StepTimeCurve", "fit_step_time"]
+
+FloatArray = npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True)
+class StepTimeCurve:
+    """``step_s(n) = a + b*m(n) + [n>1]*(c + d*(n-1))``; ``m(n)`` is ``per_rank_batch`` when
+    set, else ``global_batch / n``."""
+
+    a: float
+    b: float
+    c: float
+    d: float
+    global_batch: float = 1.0
+    per_rank_batch: float | None = None
+
+    def batch(self, n: int) -> float:
+        """Global batch at ``n`` ranks."""
+        return self.global_batch if self.per_rank_batch is None else self.per_rank_batch * n
+
+    def step_s(self, n: int) -> float:
+        """Predicted seconds per step at ``n`` ranks (``n >= 1``)."""
+        if n < 1:
+            raise ValueError(f"step_s needs n >= 1 ranks, got {n}")
+        sync = self.c + self.d * (n - 1) if n > 1 else 0.0
+        return self.a + self.b * self.batch(n) / n + sync
+
+    def throughput(self, n: int) -> float:
+        """Samples per second at ``n`` ranks."""
+        return self.batch(n) / self.step_s(n)
+
+
+@dataclass
+class SizeStats:
+    """Running mean and variance (Welford) of the step time measured at one size."""
+
+    count: float = 0.0
+    mean: float = 0.0
+    m2: float = 0.0
+
+    def add(self, step_s: float, steps: float = 1.0) -> None:
+        """Add a mean step time measured over ``steps`` steps."""
+        if not (step_s > 0 and math.isfinite(step_s)) or not steps > 0:
+            raise ValueError(f"a step time must be a positive number of seconds over a "
+                             f"positive number of steps, got {step_s!r} over {steps!r}")
+        total = self.count + steps
+        delta = step_s - self.mean
+        self.mean += delta * steps / total
+        self.m2 += delta * (step_s - self.mean) * steps
+        self.count = total
+
+    @property
+    def rel_se(self) -> float:
+        """Standard error of the mean relative to it (0 with a single measurement)."""
+        if self.count <= 1 or self.mean <= 0:
+            return 0.0
+        var = self.m2 / (self.count - 1)
+        return math.sqrt(max(var, 0.0) / self.count) / self.mean
+
+
+def _columns(sizes: FloatArray, global_batch: float, per_rank: float | None) -> FloatArray:
+    ones = np.ones_like(sizes)
+    multi = (sizes > 1).astype(np.float64)
+    local = global_batch / sizes if per_rank is None else per_rank * ones
+    return np.stack([ones, local, multi, multi * (sizes - 1)], axis=1)
+
+
+def fit_step_time(stats: Iterable[tuple[int, SizeStats]], *, global_batch: float = 1.0,
+                  per_rank_batch: float | None = None) -> tuple[StepTimeCurve, float] | None:
+    """Fit the curve to ``(size, stats)`` pairs; returns (curve, rms relative residual) or
+    ``None`` with no measurement. Sizes with no steps are ignored."""
+    rows = [(n, s) for n, s in stats if s.count > 0]
+    if not rows:
+        return None
+    sizes = np.asarray([float(n) for n, _ in rows])
+    t = np.asarray([s.mean for _, s in rows])
+    w = np.sqrt(np.asarray([s.count for _, s in rows])) / t  # relative error, by samples
+    x = _columns(sizes, global_batch, per_rank_batch) * w[:, None]
+    y = t * w
+    k = min(len(rows), 4)
+    best: tuple[float, int, FloatArray] | None = None
+    for n_cols in range(1, k + 1):
+        for cols in itertools.combinations(range(4), n_cols):
+            sub = x[:, cols]
+            if np.linalg.matrix_rank(sub) < n_cols:
+                continue  # collinear on these sizes (e.g. a and c when every n > 1)
+            coef, *_ = np.linalg.lstsq(sub, y, rcond=None)
+            if (coef < 0).any():
+                continue
+            resid = float(((sub @ coef - y) ** 2).sum())
+            # fewer coefficients win ties (within rounding): never fit more than needed
+            key = (round(resid, 12), n_cols)
+            if best is None or key < (round(best[0], 12), best[1]):
+                full = np.zeros(4)
+                full[list(cols)] = coef
+                best = (resid, n_cols, full)
+    if best is None:  # pragma: no cover - the single column 'b' always fits positive data
+        return None
+    a, b, c, d = (float(v) for v in best[2])
+    curve = StepTimeCurve(a, b, c, d, global_batch, per_rank_batch)
+    counts = np.asarray([s.count for _, s in rows])
+    pred = np.asarray([curve.step_s(int(n)) for n, _ in rows])
+    rms = math.sqrt(float((counts * ((pred - t) / t) ** 2).sum() / counts.sum()))
+    return curve, rms

@@ -1,0 +1,48 @@
+"""Goodput sizing through the job machine (pure, hand clock): the spec's validation, the
+request the scheduler gets, and rank 0's step rows reaching the job's goodput model."""
+
+from __future__ import annotations
+
+import pytest
+
+from nbtrain.core.job import JobSpec
+from tests.test_lifecycle import Harness
+
+
+def _model_sizes(h: Harness, job_id: str) -> tuple[int, ...]:
+    assert h.m.sched is not None
+    for pool in h.m.sched.pools.values():
+        model = pool.goodput_model(job_id)
+        if model is not None:
+            return model.sizes
+    return ()
+
+
+def test_a_goodput_job_spec_is_validated_with_the_fix() -> None:
+    with pytest.raises(ValueError, match="sizing must be one of"):
+        JobSpec(job_id="a", name="a", world_size=2, steps=10, sizing="fast")
+    with pytest.raises(ValueError, match="set min_size below world_size=2 or max_size"):
+        JobSpec(job_id="a", name="a", world_size=2, steps=10, sizing="goodput")
+    ok = JobSpec(job_id="a", name="a", world_size=2, steps=10, max_size=4, sizing="goodput")
+    assert ok.describe()["sizing"] == "goodput"
+
+
+def test_rank_zero_step_rows_of_a_goodput_job_feed_its_model() -> None:
+    h = Harness(workers=4)
+    h.submit("g", 2, min_size=1, sizing="goodput")
+    h.submit("f", 2, min_size=1)
+    for job_id in ("g", "f"):
+        h.steps(job_id, h.launches(job_id)[-1].generation, 5, step_s=0.02)
+        assert h.state(job_id) == "RUNNING"
+    assert _model_sizes(h, "g") == (2,)
+    assert _model_sizes(h, "f") == ()  # a fixed job has no model
+
+
+def test_the_goodput_interval_is_a_setting_with_the_schedulers_default() -> None:
+    from nbtrain.config import Settings
+    from nbtrain.core.sched_types import SchedulerConfig
+
+    assert Settings.load().goodput_interval_s == SchedulerConfig().goodput_interval_s
+    assert Settings.load(goodput_interval_s=60).goodput_interval_s == 60.0
+    with pytest.raises(ValueError, match="goodput_interval_s must be > 0"):
+        Settings.load(goodput_interval_s=-1)

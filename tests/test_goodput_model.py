@@ -1,0 +1,141 @@
+"""The goodput model: step-time curves recovered from noisy synthetic measurements, the
+exploration prior, confidence, and the gradient noise scale estimator."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nbtrain.core.goodputmodel import GoodputModel, GoodputSettings
+from nbtrain.core.gradnoise import NoiseScale, efficiency
+from nbtrain.core.speedup import SizeStats, StepTimeCurve, fit_step_time
+
+# A well-scaling job (compute dominated) and a poorly scaling one (communication bound).
+GOOD = StepTimeCurve(a=0.01, b=1.0, c=0.02, d=0.001, global_batch=1.0)
+POOR = StepTimeCurve(a=0.05, b=1.0, c=0.4, d=0.02, global_batch=1.0)
+SIZES = (1, 2, 4, 8, 16)
+
+
+def _measure(curve: StepTimeCurve, sizes: tuple[int, ...], noise: float, seed: int,
+             reps: int = 20) -> GoodputModel:
+    rng = np.random.default_rng(seed)
+    m = GoodputModel(ref_size=sizes[0])
+    for n in sizes:
+        for t in curve.step_s(n) * rng.lognormal(0.0, noise, size=reps):
+            m.observe(n, float(t))
+    return m
+
+
+@pytest.mark.parametrize("truth", [GOOD, POOR], ids=["good", "poor"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_fit_recovers_a_known_curve_from_noisy_step_times(truth: StepTimeCurve,
+                                                              seed: int) -> None:
+    m = _measure(truth, SIZES, noise=0.05, seed=seed)
+    curve = m.curve()
+    assert curve is not None
+    for n in (1, 3, 6, 12, 16):  # measured and in-between sizes
+        assert curve.step_s(n) == pytest.approx(truth.step_s(n), rel=0.05)
+    # the shape the scheduler reads: speedup from 1 to 16 ranks
+    want = truth.step_s(1) / truth.step_s(16)
+    assert m.speedup(16) == pytest.approx(want, rel=0.05)
+
+
+def test_the_fit_is_exact_without_noise_and_never_negative() -> None:
+    stats = {}
+    for n in SIZES:
+        s = SizeStats()
+        s.add(POOR.step_s(n), 10)
+        stats[n] = s
+    got = fit_step_time(stats.items())
+    assert got is not None
+    curve, rms = got
+    assert rms < 1e-9
+    for name in "abcd":
+        assert getattr(curve, name) == pytest.approx(getattr(POOR, name), abs=1e-9)
+    assert fit_step_time([]) is None
+
+
+def test_two_sizes_give_a_two_coefficient_curve() -> None:
+    m = _measure(GOOD, (4, 8), noise=0.0, seed=0, reps=1)
+    curve = m.curve()
+    assert curve is not None
+    assert sum(1 for v in (curve.a, curve.b, curve.c, curve.d) if v > 0) <= 2
+    assert curve.step_s(4) == pytest.approx(GOOD.step_s(4))
+    assert curve.step_s(8) == pytest.approx(GOOD.step_s(8))
+
+
+def test_a_poorly_scaling_job_gains_less_from_more_ranks() -> None:
+    good = _measure(GOOD, SIZES, noise=0.05, seed=3)
+    poor = _measure(POOR, SIZES, noise=0.05, seed=3)
+    assert good.speedup(16) > 4 * poor.speedup(16)
+    # marginal gain of 8 -> 16 ranks per added rank, relative to the average rank's
+    for m, truth in ((good, GOOD), (poor, POOR)):
+        want = truth.step_s(8) / truth.step_s(16) - 1.0
+        assert m.speedup(16) / m.speedup(8) - 1.0 == pytest.approx(want, abs=0.1)
+    assert good.speedup(16) / good.speedup(8) > 1.4 > 1.1 > poor.speedup(16) / poor.speedup(8)
+
+
+def test_exploration_assumes_perfect_scaling_up_to_twice_the_largest_size() -> None:
+    m = GoodputModel(ref_size=4)
+    assert m.curve() is None and m.confidence(4) == 0.0
+    assert m.speedup(8) == pytest.approx(2.0)  # nothing measured: throughput ~ n
+    m.observe(4, 0.5)
+    assert m.explore_limit() == 8
+    assert m.throughput(4) == pytest.approx(2.0)  # 1 sample / 0.5 s
+    assert m.speedup(8) == pytest.approx(2.0)
+    assert m.speedup(32) == pytest.approx(2.0)  # no gain assumed past the limit
+    assert m.confidence(8) == 0.0
+    m.observe(8, 0.3)
+    assert m.curve() is not None and m.explore_limit() == 16
+
+
+def test_confidence_grows_with_sizes_and_falls_with_extrapolation_and_noise() -> None:
+    few = _measure(GOOD, (4, 8), noise=0.02, seed=4)
+    many = _measure(GOOD, (2, 4, 8, 16), noise=0.02, seed=4)
+    noisy = _measure(GOOD, (2, 4, 8, 16), noise=0.5, seed=4, reps=3)
+    assert 0.0 < few.confidence(8) < many.confidence(8) <= 1.0
+    assert many.confidence(16) > many.confidence(32) > many.confidence(64) > 0.0
+    assert many.confidence(6) == pytest.approx(many.confidence(8), rel=1e-9)  # inside range
+    assert noisy.confidence(8) < 0.5 * many.confidence(8)
+
+
+def test_bad_inputs_are_refused_with_the_values() -> None:
+    m = GoodputModel(ref_size=2)
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        m.observe(2, -1.0)
+    with pytest.raises(ValueError, match="size must be >= 1"):
+        m.observe(0, 1.0)
+    with pytest.raises(ValueError, match="explore_factor"):
+        GoodputSettings(explore_factor=0.5)
+    with pytest.raises(ValueError, match="ref_size"):
+        GoodputModel(ref_size=0)
+
+
+def test_efficiency_falls_with_batch_past_the_noise_scale_and_scales_goodput() -> None:
+    assert efficiency(256, 256, None) == 1.0
+    assert efficiency(512, 256, 1e6) == pytest.approx(1.0, rel=1e-3)  # noisy: big batch pays
+    assert efficiency(512, 256, 0.0) == pytest.approx(0.5)  # no noise: a bigger batch is waste
+    weak = GoodputModel(ref_size=2, per_rank_batch=32.0, noise_scale=64.0)
+    for n in (2, 4, 8):
+        weak.observe(n, 0.1 + 0.01 * n)
+    # throughput grows with n (more samples per step); goodput less so
+    assert weak.throughput(8) / weak.throughput(2) > weak.speedup(8) > 1.0
+
+
+@pytest.mark.parametrize("b_noise", [16.0, 256.0])
+def test_the_noise_scale_estimate_recovers_a_known_noise_scale(b_noise: float) -> None:
+    # Per-sample gradients g_i = G + noise, tr(Sigma) = b_noise * |G|^2.
+    rng = np.random.default_rng(5)
+    dim, ranks, local = 50, 4, 8
+    g = rng.normal(size=dim)
+    sigma = np.sqrt(b_noise * float(g @ g) / dim)
+    est = NoiseScale(decay=0.999)
+    for _ in range(3000):
+        per_rank = g + rng.normal(0.0, sigma / np.sqrt(local), size=(ranks, dim))
+        local_sq = float((per_rank**2).sum(axis=1).mean())
+        reduced = per_rank.mean(axis=0)
+        est.observe(local_sq, float(reduced @ reduced), local, ranks)
+    assert est.value == pytest.approx(b_noise, rel=0.15)
+    single = NoiseScale()
+    single.observe(1.0, 1.0, 8, 1)
+    assert single.value is None

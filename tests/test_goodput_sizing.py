@@ -1,0 +1,235 @@
+"""Goodput sizing in the gang scheduler, on hand-built cases: who shrinks for whom, fair
+share, exploration, no thrash under noisy measurements; and the request's validation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nbtrain.core.sched_types import (
+    Decision,
+    Event,
+    Finished,
+    JobRequest,
+    ResizeJob,
+    SchedulerConfig,
+    StartJob,
+    StepTimes,
+    Submit,
+    Tick,
+)
+from nbtrain.core.scheduler import Scheduler
+from nbtrain.core.speedup import StepTimeCurve
+from nbtrain.core.topology import Topology
+
+TOPO = Topology.declare(2, 8, hosts_per_leaf=2)  # 16 slots
+GOOD = StepTimeCurve(a=0.01, b=1.0, c=0.02, d=0.001)  # near-linear to 16 ranks
+POOR = StepTimeCurve(a=0.05, b=1.0, c=0.4, d=0.02)  # communication bound past 2 ranks
+# a tight hysteresis band (5%, the noise level of the noisy case) and a low knee, so the
+# hand-built cases move on small differences
+CFG = SchedulerConfig(goodput_interval_s=300.0, goodput_check_s=30.0, goodput_min_gain=0.05,
+                      goodput_knee=0.5)
+
+
+def _gp(job_id: str, size: int, *, min_size: int = 2, max_size: int = 16,
+        **kw: object) -> JobRequest:
+    return JobRequest(job_id=job_id, size=size, min_size=min_size, max_size=max_size,
+                      sizing="goodput", **kw)  # type: ignore[arg-type]
+
+
+def _measure(s: Scheduler, now: float, job_id: str, curve: StepTimeCurve,
+             sizes: tuple[int, ...], steps: float = 50.0) -> None:
+    for n in sizes:
+        s.handle(StepTimes(now, job_id, n, curve.step_s(n), steps))
+
+
+def _resizes(ds: list[Decision]) -> dict[str, ResizeJob]:
+    return {d.job_id: d for d in ds if isinstance(d, ResizeJob)}
+
+
+def _run(s: Scheduler, ev: Event) -> list[Decision]:
+    out = s.handle(ev)
+    s.check_invariants()
+    return out
+
+
+def test_a_poorly_scaling_job_gives_slots_to_a_well_scaling_one_when_nobody_waits() -> None:
+    s = Scheduler(TOPO, CFG)
+    started = _run(s, Submit(0.0, _gp("poor", 8))) + _run(s, Submit(0.0, _gp("good", 8)))
+    assert {d.job_id: d.size for d in started if isinstance(d, StartJob)} == {
+        "poor": 8, "good": 8}  # no curve yet: each starts at the size it asked for
+    _measure(s, 10.0, "poor", POOR, (2, 4, 8))
+    _measure(s, 10.0, "good", GOOD, (4, 8))
+    assert _resizes(_run(s, Tick(200.0))) == {}  # within the resize interval: nothing moves
+    ds = _run(s, Tick(400.0))
+    moved = _resizes(ds)
+    assert set(moved) == {"poor", "good"}
+    assert moved["poor"].placement.world_size < 8 < moved["good"].placement.world_size
+    assert [d.job_id for d in ds] == ["poor", "good"]  # the shrink frees the slots first
+    assert "of its speedup" in moved["poor"].reason and "good" in moved["poor"].reason
+    assert "adds" in moved["good"].reason
+    # the move raised the summed speedup the models predict
+    before = sum(m.speedup(8) for m in (s.goodput_model("poor"), s.goodput_model("good"))
+                 if m is not None)
+    pm, gm = s.goodput_model("poor"), s.goodput_model("good")
+    assert pm is not None and gm is not None
+    after = pm.speedup(s.job("poor").size) + gm.speedup(s.job("good").size)
+    assert after > before
+
+
+def test_while_jobs_wait_a_poorly_scaling_job_gives_back_the_ranks_past_its_knee() -> None:
+    s = Scheduler(TOPO, CFG)
+    _run(s, Submit(0.0, _gp("poor", 16)))
+    _measure(s, 10.0, "poor", POOR, (2, 4, 8, 16))
+    ds = _run(s, Submit(400.0, JobRequest(job_id="next", size=8)))
+    moved = _resizes(ds)
+    new = moved["poor"].placement.world_size
+    assert new < 8  # more than the waiting job needed: the ranks past the knee add little
+    assert "waiting jobs" in moved["poor"].reason and "%" in moved["poor"].reason
+    assert any(isinstance(d, StartJob) and d.job_id == "next" for d in ds)
+
+
+def test_a_blocked_head_shrinks_the_job_that_loses_least_speedup() -> None:
+    # knee 0: no job gives ranks back by itself; only the head's shrink moves anyone
+    s = Scheduler(TOPO, SchedulerConfig(goodput_knee=0.0))
+    _run(s, Submit(0.0, _gp("good", 8)))  # submitted first: the old rule shrinks it first
+    _run(s, Submit(0.0, _gp("poor", 8)))
+    _measure(s, 1.0, "good", GOOD, (2, 4, 8))
+    _measure(s, 1.0, "poor", POOR, (2, 4, 8))
+    ds = _run(s, Submit(2.0, JobRequest(job_id="head", size=4)))
+    moved = _resizes(ds)
+    assert list(moved) == ["poor"]
+    assert moved["poor"].reason.startswith("shrunk for 'head': 8->4 ranks costs")
+    assert s.job("head").state == "running" and s.job("good").size == 8
+
+
+def test_goodput_growth_does_not_keep_another_teams_job_waiting() -> None:
+    s = Scheduler(TOPO, CFG)
+    _run(s, Submit(0.0, _gp("g", 8, team="x")))
+    _run(s, Submit(0.0, JobRequest(job_id="f1", size=8, team="y")))
+    _measure(s, 1.0, "g", GOOD, (4, 8, 16))
+    _run(s, Finished(400.0, "f1"))
+    assert s.job("g").size == 16  # idle slots: the well scaling job takes them
+    ds = _run(s, Submit(401.0, JobRequest(job_id="f2", size=8, team="y")))
+    assert any(isinstance(d, StartJob) and d.job_id == "f2" for d in ds)
+    assert s.job("g").size == 8 and s.job("f2").size == 8
+
+
+def test_a_job_known_at_one_size_is_probed_at_half_while_jobs_wait() -> None:
+    s = Scheduler(TOPO, CFG)
+    _run(s, Submit(0.0, _gp("new", 16)))
+    _measure(s, 5.0, "new", GOOD, (16,))
+    ds = _run(s, Submit(400.0, JobRequest(job_id="other", size=4)))
+    moved = _resizes(ds)
+    assert moved["new"].placement.world_size == 8
+    assert "exploring" in moved["new"].reason
+    assert s.job("other").state == "running"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_noisy_measurements_do_not_make_sizes_thrash(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    s = Scheduler(TOPO, CFG)
+    _run(s, Submit(0.0, _gp("poor", 8)))
+    _run(s, Submit(0.0, _gp("good", 8)))
+    for n in (2, 4, 8):  # as if measured at these sizes in earlier generations
+        s.handle(StepTimes(1.0, "poor", n, POOR.step_s(n), 50.0))
+        s.handle(StepTimes(1.0, "good", n, GOOD.step_s(n), 50.0))
+    moves: list[tuple[float, str, int]] = []
+    t = 1.0
+    while t < 20_000.0:
+        t += 10.0
+        for jid, curve in (("poor", POOR), ("good", GOOD)):
+            n = s.job(jid).size
+            ds = _run(s, StepTimes(t, jid, n, curve.step_s(n) * rng.lognormal(0.0, 0.05), 10))
+            moves += [(t, d.job_id, d.placement.world_size) for d in ds
+                      if isinstance(d, ResizeJob)]
+    assert moves, "the poorly scaling job should give ranks to the well scaling one"
+    assert len(moves) <= 4  # settles after a move or two per job
+    assert moves[-1][0] < 2000.0  # and stays settled under 5% noise
+
+
+def test_goodput_requests_are_validated() -> None:
+    with pytest.raises(ValueError, match="sizing='bogus' must be one of"):
+        JobRequest(job_id="a", size=4, sizing="bogus")
+    with pytest.raises(ValueError, match="needs a range of sizes"):
+        JobRequest(job_id="a", size=4, sizing="goodput")
+    with pytest.raises(ValueError, match="max_size=2 must be a multiple of 1 of at least"):
+        JobRequest(job_id="a", size=4, min_size=2, max_size=2, sizing="goodput")
+    with pytest.raises(ValueError, match="goodput_knee"):
+        SchedulerConfig(goodput_knee=1.5)
+    ok = JobRequest(job_id="a", size=4, max_size=8, sizing="goodput")
+    assert ok.max_slots == 8 and ok.goodput_sized
+
+
+def test_step_times_of_other_jobs_are_ignored() -> None:
+    s = Scheduler(TOPO, CFG)
+    _run(s, Submit(0.0, JobRequest(job_id="fixed", size=4, min_size=2)))
+    assert _run(s, StepTimes(1.0, "fixed", 4, 0.1)) == []
+    assert _run(s, StepTimes(1.0, "unknown", 4, 0.1)) == []
+    assert s.goodput_model("fixed") is None
+
+
+def _fair_day_with_goodput(seed: int,
+                           weights: dict[str, float]) -> tuple[dict[str, float], int]:
+    """Closed loop as in ``tests/test_sim.py``: every team always has 3 jobs queued, half of
+    them goodput-sized (some scaling well, some poorly, each reporting its step times at
+    every size it runs at); returns each team's share of the slot-time used over a day, and
+    how many resizes goodput sizing made."""
+    rng = np.random.default_rng(seed)
+    s = Scheduler(Topology.declare(8, 8, hosts_per_leaf=4),
+                  SchedulerConfig(team_weights=weights, goodput_interval_s=300.0))
+    running: list[tuple[float, str]] = []
+    ends: dict[str, float] = {}
+    curves: dict[str, StepTimeCurve] = {}
+    n = 0
+    moved = 0
+
+    def act(out: list[Decision], t: float) -> None:
+        nonlocal moved
+        moved += sum(1 for d in out if isinstance(d, ResizeJob) and "of its speedup" in d.reason)
+        for d in out:
+            if isinstance(d, StartJob):
+                ends[d.job_id] = t + float(rng.uniform(600, 2400))
+                running.append((ends[d.job_id], d.job_id))
+                running.sort()
+                submit(d.job_id.split("-")[0], t)
+            if isinstance(d, StartJob | ResizeJob) and d.job_id in curves:
+                n_ranks = d.placement.world_size
+                act(s.handle(StepTimes(t, d.job_id, n_ranks,
+                                       curves[d.job_id].step_s(n_ranks), 50.0)), t)
+
+    def submit(team: str, t: float) -> None:
+        nonlocal n
+        n += 1
+        job_id = f"{team}-{n}"
+        if rng.random() < 0.5:
+            curves[job_id] = GOOD if rng.random() < 0.5 else POOR
+            req = _gp(job_id, 8, min_size=1, max_size=16, team=team)
+        else:
+            req = JobRequest(job_id=job_id, size=int(rng.choice([1, 2, 4, 8])), team=team)
+        act(s.handle(Submit(t, req)), t)
+
+    for team in weights:
+        for _ in range(3):
+            submit(team, 0.0)
+    day = 86400.0
+    while running and running[0][0] <= day:
+        t, job_id = running.pop(0)
+        act(s.handle(Finished(t, job_id)), t)
+        s.check_invariants()
+    s.handle(Tick(day))
+    used = s.team_usage()
+    total = sum(used.values())
+    return {team: used[team] / total for team in weights}, moved
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fair_share_holds_with_goodput_sized_jobs_in_every_team(seed: int) -> None:
+    weights = {"a": 1.0, "b": 1.0, "c": 2.0, "d": 4.0}
+    shares, moved = _fair_day_with_goodput(seed, weights)
+    assert moved > 0  # goodput sizing acted during the day
+    total_w = sum(weights.values())
+    for team, w in weights.items():
+        target = w / total_w
+        assert abs(shares[team] - target) <= 0.05 * target, (team, shares[team], target)
