@@ -114,19 +114,33 @@ def _parent_command_line() -> str:
     return " ".join(parent.cmdline()) if parent else ""
 
 
-def test_embedded_workers_fork_from_one_preloaded_forkserver(
-        free_cluster: nbtrain.Cluster) -> None:
-    """connect()'s CPU workers are children of one forkserver (not of the nanny, as spawned
-    ones are) that preloaded torch: they share its pages and restart without importing it."""
+def test_workers_fork_from_one_preloaded_forkserver_when_asked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """NBTRAIN_WORKER_START=fork: connect()'s CPU workers are children of one forkserver (not
+    of their nannies, as spawned ones are) that preloaded torch, and they train."""
+    import dask
+
     from nbtrain.engine.forkstart import PRELOAD
 
-    parents = free_cluster.client.run(_parent_command_line)
+    monkeypatch.setenv("NBTRAIN_WORKER_START", "fork")
+    try:
+        with nbtrain.connect(n_workers=2, gpus=False) as c:
+            parents = c.client.run(_parent_command_line)
+            job = c.submit(Regression(), world_size=2, steps=5, checkpoint=None, name="forked")
+            assert job.wait(120) is JobState.SUCCEEDED, job.reason
+    finally:  # the start method is this process's Dask config: the default again
+        dask.config.set({"distributed.worker.multiprocessing-method": "spawn"})
     assert len(parents) == 2, parents
     assert len(set(parents.values())) == 1, parents  # one forkserver for both
     [parent] = set(parents.values())
     # the forkserver's command line carries its preload list
     assert "multiprocessing.forkserver" in parent, parent
     assert all(repr(module) in parent for module in PRELOAD), (PRELOAD, parent)
+
+
+def test_workers_spawn_by_default(free_cluster: nbtrain.Cluster) -> None:
+    parents = free_cluster.client.run(_parent_command_line)
+    assert not any("forkserver" in p for p in parents.values()), parents
 
 
 def test_gang_never_starts_partially_and_fail_fast() -> None:

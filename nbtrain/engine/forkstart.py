@@ -1,4 +1,4 @@
-"""How the embedded cluster starts its worker processes: forked from one that imported torch.
+"""How CPU worker processes start: Dask's spawn, or (opt-in) forked from one that imported torch.
 
 Dask's nannies start each worker with ``spawn``: a fresh interpreter that imports torch, Dask
 and nbtrain's runtime again. That costs every worker about 170 MB of private memory (the
@@ -13,10 +13,13 @@ put its pre-spawn environment (``OMP_NUM_THREADS``, ``PYTHONHASHSEED``) in place
 workers see what spawned ones would. Dask reads the start method each time a nanny (re)starts
 a worker, so the setting stays in this process's Dask config, as the daemon setting does.
 
-Only CPU clusters use it: a GPU worker's ``CUDA_VISIBLE_DEVICES`` must be in place before
-torch touches CUDA, which a shared preloaded torch makes a matter of import order; those
-keep Dask's ``spawn``. ``NBTRAIN_WORKER_START=spawn`` keeps ``spawn`` for CPU workers too (a
-library that cannot live in a forked process, or to compare: ``benchmarks/worker_start.py``).
+It is opt-in (``NBTRAIN_WORKER_START=fork``), not the default: in one CI run of the whole
+suite a worker forked this way, restarted after a kill under an FSDP job, died of SIGSEGV two
+seconds after it started; the cause is not known (preloading torch's distributed and FSDP
+modules in the forkserver is the first suspect). Only CPU clusters use it: a GPU worker's
+``CUDA_VISIBLE_DEVICES`` must be in place before torch touches CUDA, which a shared
+preloaded torch makes a matter of import order. ``benchmarks/worker_start.py`` compares it
+with spawn.
 """
 
 from __future__ import annotations
@@ -33,12 +36,12 @@ PRELOAD = ("distributed", "numpy", "torch", "nbtrain.runtime.launch")
 
 
 def fork_workers() -> bool:
-    """Make this process's Dask nannies fork their workers from a preloaded forkserver;
-    False where the platform has no forkserver (nothing changes)."""
-    if (os.environ.get("NBTRAIN_WORKER_START", "fork") == "spawn"
+    """With ``NBTRAIN_WORKER_START=fork``, make this process's Dask nannies fork their workers
+    from a preloaded forkserver and return True; else (the default, or no forkserver on this
+    platform) they spawn them, as Dask does, and False."""
+    if (os.environ.get("NBTRAIN_WORKER_START", "spawn") != "fork"
             or "forkserver" not in multiprocessing.get_all_start_methods()):
-        dask.config.set({"distributed.worker.multiprocessing-method": "spawn"})
-        return False
+        return False  # Dask's own setting stands (spawn unless configured otherwise)
     from distributed.utils import get_mp_context
 
     dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
