@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ import nbtrain
 from nbtrain import JobState
 from nbtrain.runtime.events import RANK_TOPIC
 from tests.conftest import wait_for
+from tests.engine_probe import parent_command_line
 from tests.recipes import Regression, assert_params_equal, single_process_params
 
 
@@ -108,28 +110,41 @@ def test_cluster_repr_lists_slots_and_jobs(free_cluster: nbtrain.Cluster) -> Non
     assert "nbtrain cluster" in text
 
 
-def _parent_command_line() -> str:
-    import psutil
-    parent = psutil.Process().parent()
-    return " ".join(parent.cmdline()) if parent else ""
+FORKED = """
+import json, nbtrain
+from nbtrain import JobState
+from tests.engine_probe import parent_command_line
+from tests.recipes import Regression
+if __name__ == "__main__":
+    with nbtrain.connect(n_workers=2, gpus=False) as c:
+        parents = c.client.run(parent_command_line)
+        job = c.submit(Regression(), world_size=2, steps=5, checkpoint=None, name="forked")
+        print(json.dumps({"parents": parents, "state": job.wait(120).value}))
+"""
 
 
-def test_workers_fork_from_one_preloaded_forkserver_when_asked(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_workers_fork_from_one_preloaded_forkserver_when_asked(tmp_path: Path) -> None:
     """NBTRAIN_WORKER_START=fork: connect()'s CPU workers are children of one forkserver (not
-    of their nannies, as spawned ones are) that preloaded torch, and they train."""
-    import dask
+    of their nannies, as spawned ones are) that preloaded torch, and they train. In a fresh
+    process: one that runs a forkserver already (an in-process DataLoader's, say) forks from
+    that one, whose preload list is not nbtrain's."""
+    import json
+    import subprocess
+    import sys
 
     from nbtrain.engine.forkstart import PRELOAD
 
-    monkeypatch.setenv("NBTRAIN_WORKER_START", "fork")
-    try:
-        with nbtrain.connect(n_workers=2, gpus=False) as c:
-            parents = c.client.run(_parent_command_line)
-            job = c.submit(Regression(), world_size=2, steps=5, checkpoint=None, name="forked")
-            assert job.wait(120) is JobState.SUCCEEDED, job.reason
-    finally:  # the start method is this process's Dask config: the default again
-        dask.config.set({"distributed.worker.multiprocessing-method": "spawn"})
+    script = tmp_path / "forked.py"
+    script.write_text(FORKED)
+    env = dict(os.environ, NBTRAIN_WORKER_START="fork",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                           os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["state"] == "SUCCEEDED", out
+    parents = out["parents"]
     assert len(parents) == 2, parents
     assert len(set(parents.values())) == 1, parents  # one forkserver for both
     [parent] = set(parents.values())
@@ -139,7 +154,7 @@ def test_workers_fork_from_one_preloaded_forkserver_when_asked(
 
 
 def test_workers_spawn_by_default(free_cluster: nbtrain.Cluster) -> None:
-    parents = free_cluster.client.run(_parent_command_line)
+    parents = free_cluster.client.run(parent_command_line)
     assert not any("forkserver" in p for p in parents.values()), parents
 
 
