@@ -600,7 +600,7 @@ def connect(address: str | Client | DaskCluster | None = None, *, n_workers: int
         # each time they (re)start a worker, so it stays set in this process.
         dask.config.set({"distributed.worker.daemon": False})
         if not gpu_ids:
-            fork_workers()  # workers share one preloaded torch (memory, start time)
+            fork_workers()  # NBTRAIN_WORKER_START=fork: forked from one preloaded torch
         pages.install()  # the job and class pages join the dashboard this scheduler serves
         with dask.config.set(config):
             local = EmbeddedCluster(n_workers=0 if gpu_ids else n, gpus=gpu_ids,
