@@ -23,7 +23,9 @@ percent of a step) are detected (suspect) but, by design, not confirmed.
 (b) Live, injected: a 2-rank job whose rank's compute the fault injector slows 2x.
 
 (c) Live, real noise (issues 15 and 31), on a quiet machine (``live_*``) and beside a second
-CPU hog free to move between cores (``live_loaded_*``): healthy 2-rank jobs
+CPU hog free to move between cores (``live_loaded_*``; at full priority beside the healthy
+jobs, at nice 19 beside the pinned-hog trials: on two cores a full-priority one moves to the
+other rank's core and slows both ranks alike, see ``_straggler_live``): healthy 2-rank jobs
 (``live_clean_confirmed_per_10k``: stragglers confirmed that are not there; target <= 1), and
 a CPU hog pinned to one rank's core with ``taskset`` while the ranks are pinned one per core,
 6 trials per condition with ``--quick``, 20 without (``live_hog_trials``; ``live_hog_right``:
