@@ -30,7 +30,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import torch
 import xxhash
 
 from nbtrain.runtime.errors import CheckpointError
@@ -194,6 +193,8 @@ def without_zip_crc() -> Iterator[None]:
     """``torch.save`` without its per-record zip CRC-32 for the duration (see the module
     docstring); nested and concurrent uses restore the setting once the last one ends."""
     global _crc_off, _crc_saved
+    import torch  # here: the notebook's side reads checkpoints' receipts without torch
+
     get = getattr(torch.serialization, "get_crc32_options", None)
     set_ = getattr(torch.serialization, "set_crc32_options", None)
     if get is None or set_ is None:  # torch < 2.6 always computes it

@@ -46,6 +46,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
+from nbtrain.runtime.dcp_names import INDEX_FILE, METADATA_FILE, data_file
+
 __all__ = [
     "DCP_VERSION",
     "INDEX_FILE",
@@ -60,8 +62,6 @@ __all__ = [
     "write_items",
 ]
 
-METADATA_FILE = ".metadata"  # DCP's metadata (a pickle), for DCP's own readers
-INDEX_FILE = "dcp-index.json"  # the same as JSON, what nbtrain reads (no unpickling)
 INDEX_FORMAT = "nbtrain-dcp-index"
 
 
@@ -75,11 +75,6 @@ def _dcp_version() -> str:
 
 
 DCP_VERSION = _dcp_version()
-
-
-def data_file(rank: int) -> str:
-    """The rank's data file, named as DCP's ``FileSystemWriter`` names it."""
-    return f"__{rank}_0.distcp"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -63,10 +63,9 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
-import torch
 from fsspec.core import url_to_fs
 
 from nbtrain.core.checkpoint_policy import DEFAULT_COMMIT_TIMEOUT_S
@@ -77,18 +76,14 @@ from nbtrain.runtime.checksum import (
     read_verified,
     without_zip_crc,
 )
-from nbtrain.runtime.dcp_read import IndexReader
-from nbtrain.runtime.dcp_write import (
-    INDEX_FILE,
-    METADATA_FILE,
-    DcpShard,
-    data_file,
-    index_from_receipts,
-    metadata_from_index,
-    write_items,
-)
+from nbtrain.runtime.dcp_names import INDEX_FILE, METADATA_FILE, data_file
 from nbtrain.runtime.direct_io import DirectFile, open_for_write
 from nbtrain.runtime.errors import CheckpointError
+
+if TYPE_CHECKING:  # imported where used: they import torch.distributed.checkpoint, which
+    # the notebook's side (listing checkpoints, reading manifests) must not pay for
+    from nbtrain.runtime.dcp_read import IndexReader
+    from nbtrain.runtime.dcp_write import DcpShard
 
 __all__ = [
     "FORMAT_NAME",
@@ -356,6 +351,8 @@ class CheckpointStore:
         part: dict[str, Any] | None = None
         with without_zip_crc():  # our checksum covers every byte already
             if dcp is not None:
+                from nbtrain.runtime.dcp_write import write_items
+
                 dname = data_file(rank)
                 entries: list[dict[str, Any]] = []
 
@@ -377,6 +374,8 @@ class CheckpointStore:
             }
 
             def write(f: HashingWriter) -> None:
+                import torch
+
                 torch.save(obj, f)  # type: ignore[arg-type]
 
             n, checksum = self._write_atomic(f"{sdir}/{name}", write, times,
@@ -576,6 +575,8 @@ class CheckpointStore:
         def fail(why: str) -> CheckpointError:
             return CheckpointError(sdir, f"not committing: {why}")
 
+        from nbtrain.runtime.dcp_write import index_from_receipts, metadata_from_index
+
         index = index_from_receipts({r: rec.dcp or {} for r, rec in receipts.items()}, fail)
         meta = metadata_from_index(index, checkpoint_id=self.step_url(step), save_id=attempt)
         out: list[ShardInfo] = []
@@ -755,6 +756,8 @@ class CheckpointStore:
                                                         "does not list")
             return self._open_checked(manifest, info)
 
+        from nbtrain.runtime.dcp_read import IndexReader
+
         return IndexReader(index, open_file, checkpoint_id=self.step_url(manifest.step))
 
     def load_shard(self, step: int, rank: int, *, manifest: Manifest | None = None) -> Any:
@@ -770,6 +773,8 @@ class CheckpointStore:
             )
         path = f"{self.step_dir(step)}/{infos[0].file}"
         data = self._read_checked(manifest, infos[0])
+        import torch  # here, not at the top: the notebook's side lists checkpoints without it
+
         try:
             obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as e:  # unknown class refused by weights_only, ...
