@@ -250,8 +250,10 @@ def takes_display(path: Path) -> bool:
                and "display" in "".join(c["source"]) for c in nb["cells"])
 
 
-def run_notebook(path: Path, venv: Path, repo: Path, work: Path, limit_mb: int
-                 ) -> dict[str, Any]:
+def run_notebook(path: Path, venv: Path, repo: Path, work: Path, limit_mb: int,
+                 parameters: dict[str, str] | None = None) -> dict[str, Any]:
+    """``path`` under papermill beside JupyterLab in a ``limit_mb`` box (``parameters``:
+    papermill's ``-p`` pairs besides ``display=text``); its figures and why it failed."""
     name = path.stem
     home = work / "runs" / name
     if home.exists():
@@ -267,12 +269,14 @@ def run_notebook(path: Path, venv: Path, repo: Path, work: Path, limit_mb: int
                JUPYTERHUB_SERVICE_PREFIX="/user/course-box/")
     box = MemoryBox(f"nbtrain-course-box-{os.getpid()}-{name}", limit_mb)
     sampler = Sampler(box)
-    result: dict[str, Any] = {"notebook": name}
+    result: dict[str, Any] = {"notebook": name, "executed": home / "executed.ipynb"}
     t0 = time.monotonic()
     try:
         sampler.start()
         with jupyterlab(box, venv, repo, env, home):
             params = ["-p", "display", "text"] if takes_display(path) else []
+            for key, value in (parameters or {}).items():
+                params += ["-p", key, value]
             cmd = [*box.enter_command(), "taskset", "-c", CPUS, "bash",
                    str(repo / "binder" / "start"), str(venv / "bin" / "python"), "-m",
                    "papermill", str(repo / "notebooks" / path.name),
