@@ -94,8 +94,9 @@ class StragglerSettings:
 
     Defaults make a rank *suspect* (the early signal) when one phase is 1.2x its peers on 6
     of 8 steps, and *confirm* it when, in each quarter of the last 32 steps, it cost the job
-    on average at least 10% of a step and 4x the job's own noise in that phase, for at least
-    a second of training; it is cleared when it costs under 5% over the last 32 steps. Spikes
+    on average at least 10% of a step and 4x the job's own noise in that phase (or, over the
+    last 64 steps, 10% of a step and 2x the noise in every block), for at least a second of
+    training; it is cleared when it costs under 5% over the last 32 steps. Spikes
     of any size on fewer than 6 of 8 steps never make a suspect.
     """
 
@@ -130,6 +131,13 @@ class StragglerSettings:
     """A confirmed pair is cleared when its mean excess over the last ``confirm_steps`` steps
     falls below this share of the median step time (or below ``confirm_share``, if that is
     lower): the cost is gone, not one step fast. The gap to ``confirm_share`` is hysteresis."""
+    sustain_steps: int = 64
+    """...or, where the noise bar is too high for that (a busy machine), when the cost lasted
+    this many steps: every block of ``window`` steps among the last ``sustain_steps`` cost at
+    least ``confirm_share`` of a step and ``sustain_z`` times the noise. A load that comes
+    and goes slows one rank and then another; a slow rank stays slow. 0: off."""
+    sustain_z: float = 2.0
+    """The noise multiple of the ``sustain_steps`` path."""
     confirm_s: float = 1.0
     """...and only once its slowdown has lasted this many seconds of training (step times
     summed since it began): with fast steps, tens of steps pass in a fraction of a second,
@@ -173,6 +181,7 @@ class StragglerSettings:
                 f"many steps per rank and phase), got {value!r}"
                 for name, value in (("window", self.window),
                                     ("confirm_steps", self.confirm_steps),
+                                    ("sustain_steps", self.sustain_steps),
                                     ("noise_steps", self.noise_steps),
                                     ("warmup_steps", self.warmup_steps))
                 if isinstance(value, int) and value > HISTORY_STEPS_MAX]
@@ -206,6 +215,11 @@ class StragglerSettings:
                             "(e.g. half of confirm_share)")
         if not self.confirm_z >= 0.0:
             problems.append(f"confirm_z must be >= 0, got {self.confirm_z!r}")
+        if not (isinstance(self.sustain_steps, int) and self.sustain_steps >= 0):
+            problems.append(f"sustain_steps must be an integer >= 0 (0: off), "
+                            f"got {self.sustain_steps!r}")
+        if not self.sustain_z >= 0.0:
+            problems.append(f"sustain_z must be >= 0, got {self.sustain_z!r}")
         if not self.confirm_s >= 0.0:
             problems.append(f"confirm_s must be >= 0 seconds, got {self.confirm_s!r}")
         return problems
@@ -632,8 +646,11 @@ class StragglerDetector:
         started = self._run_start[suspect]
         self._since[suspect] = np.where(started >= 0, started, step)
         watched = np.array([[p in s.phases] for p in PHASES])
+        long_excess = (self._excess[self._recent(s.sustain_steps)[::-1]]
+                       if s.sustain_steps > s.confirm_steps else None)
         confirmed = self._cost.confirm(
-            (state < 2) & ~cleared & watched & (self._run_s >= s.confirm_s), excess, evidence_s)
+            (state < 2) & ~cleared & watched & (self._run_s >= s.confirm_s), excess, evidence_s,
+            sustained=long_excess)
         unannounced = confirmed & (state == 0)  # confirmed before it was ever suspect
         started = self._run_start[unannounced]
         self._since[unannounced] = np.where(started >= 0, started, step)
@@ -685,7 +702,7 @@ class StragglerDetector:
 
 
 def _ring_len(s: StragglerSettings) -> int:
-    return max(s.window, s.confirm_steps)
+    return max(s.window, s.confirm_steps, s.sustain_steps)
 
 
 def _regrow(ring: npt.NDArray[Any], pos: int, length: int, fill: Any) -> tuple[Any, int]:

@@ -11,6 +11,11 @@ it follows what the slow rank costs the job, not how many single steps looked sl
   scheduler slices do not line up with steps) by what it costs on average; a burst that
   fills one block but not the others is not sustained. Each block's mean leaves out its
   fastest and slowest step (``trimmed_mean``), so one spike cannot make a block cost.
+- **Or confirmed when it lasts**: over the last ``sustain_steps`` (64) steps every block's
+  mean excess is at least ``confirm_share`` of a step and ``sustain_z`` (2) times the noise.
+  On a busy machine the noise bar can stand above a rank that costs the job a fifth of every
+  step (seen: a hogged rank costing 4-7 ms of a 30 ms step against a bar of 8.5 ms); a load
+  that comes and goes does not stay on one rank for 64 steps, a slow rank does.
 - **Cleared** when the cost is gone: the mean of those block means is below ``clear_share``
   of a step. One fast step, or a few, cannot clear a rank that still costs the job a share
   of every step.
@@ -152,9 +157,11 @@ class CostJudge:
         bar: FloatArray = np.where(np.isnan(frozen), self.noise()[:, None], frozen)
         return bar
 
-    def confirm(self, candidates: BoolArray, excess: FloatArray, step_s: float) -> BoolArray:
+    def confirm(self, candidates: BoolArray, excess: FloatArray, step_s: float,
+                sustained: FloatArray | None = None) -> BoolArray:
         """Which ``candidates`` (phase, rank) the evidence ``excess`` (the last
-        ``confirm_steps`` steps) confirms, the median step time being ``step_s``."""
+        ``confirm_steps`` steps) confirms, the median step time being ``step_s``;
+        ``sustained``: the last ``sustain_steps`` steps, for the slower path."""
         s = self._settings
         if excess.shape[0] < s.confirm_steps or not candidates.any():
             return np.zeros(candidates.shape, dtype=bool)
@@ -162,7 +169,14 @@ class CostJudge:
         kept = sustained_excess(excess[:, candidates], s.window)  # the candidates' columns
         costly = kept >= s.confirm_share * step_s
         if costly.any():  # the noise only where it decides
-            costly &= kept >= s.confirm_z * self.bar()[candidates]
+            bar = self.bar()[candidates]
+            clear_of_noise = kept >= s.confirm_z * bar
+            if (sustained is not None and sustained.shape[0] >= s.sustain_steps
+                    and not clear_of_noise[costly].all()):
+                lasting = sustained_excess(sustained[:, candidates], s.window)
+                clear_of_noise |= ((lasting >= s.confirm_share * step_s)
+                                   & (lasting >= s.sustain_z * bar))
+            costly &= clear_of_noise
         ok[candidates] = costly
         return ok
 

@@ -542,14 +542,17 @@ class Cluster:
 def connect(address: str | Client | DaskCluster | None = None, *, n_workers: int | None = None,
             settings: Settings | None = None, operator_token: str | None = None,
             security: Any = None, gpus: bool | Sequence[str] | None = None,
-            **cluster_kwargs: Any) -> Cluster:
+            hosts: int | None = None, **cluster_kwargs: Any) -> Cluster:
     """Connect to a cluster of slots, starting nbtrain's controller there if needed.
 
     - ``connect()``: start an embedded ``LocalCluster`` on this machine's loopback interface
       (worker processes, one thread each, ``n_workers`` slots; by default one per core, 2 to
       8), shut down with this process. This client is its operator. On a machine with GPUs
       there is one worker per visible GPU instead, each seeing only its own GPU
-      (``gpus=False``: CPU workers; ``gpus=["0", "2"]``: those GPUs).
+      (``gpus=False``: CPU workers; ``gpus=["0", "2"]``: those GPUs). ``hosts=2`` declares
+      the CPU workers as that many hosts of equal size (``node0``, ``node1``, ...; each host
+      one NVLink domain): a topology to place TP groups and pipeline stages on, on one
+      machine.
     - ``connect("tcp://host:8786")``: an existing Dask scheduler (``"tls://..."`` with
       ``security=`` a ``distributed.Security``; an embedded cluster takes it too).
     - ``connect(client)``: an existing ``distributed.Client`` (left open on close), e.g. of a
@@ -567,6 +570,11 @@ def connect(address: str | Client | DaskCluster | None = None, *, n_workers: int
     token = settings.operator_token if operator_token is None else operator_token
     local: LocalCluster | None = None
     manager: DaskCluster | None = None
+    if hosts is not None and address is not None:
+        raise ValueError(
+            "hosts= declares the hosts of an embedded cluster (connect() without an address); "
+            "on an existing cluster each worker declares its own with NBTRAIN_WORKER_HOST in "
+            "its environment")
     if isinstance(address, DaskCluster):
         manager = address
         client, owns = Client(manager, security=security, set_as_default=False), True
@@ -577,11 +585,12 @@ def connect(address: str | Client | DaskCluster | None = None, *, n_workers: int
     elif address is not None:
         raise TypeError(f"address must be a scheduler address, a Client, a Dask cluster "
                         f"manager (distributed.deploy.Cluster) or None, got {address!r}")
-    else:
+    if address is None:
         gpu_ids = embedded_gpus(gpus, n_workers)
         n = len(gpu_ids) or (default_worker_count() if n_workers is None else n_workers)
         if n < 1:
             raise ValueError(f"n_workers must be >= 1, got {n}")
+        per_host = declared_host_size(hosts, n, gpus=bool(gpu_ids))
         token = token or secrets.token_hex(16)  # the embedded cluster's owner is its operator
         config = QUIET_WORKER_CONFIG if settings.quiet_workers else {}
         kwargs: dict[str, Any] = {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0",
@@ -603,10 +612,12 @@ def connect(address: str | Client | DaskCluster | None = None, *, n_workers: int
             fork_workers()  # NBTRAIN_WORKER_START=fork: forked from one preloaded torch
         pages.install()  # the job and class pages join the dashboard this scheduler serves
         with dask.config.set(config):
-            local = EmbeddedCluster(n_workers=0 if gpu_ids else n, gpus=gpu_ids,
-                                    threads_per_worker=1, processes=True, **kwargs)
-            if gpu_ids:
-                local.scale(n)  # one worker per GPU (EmbeddedCluster.new_worker_spec)
+            staged = bool(gpu_ids) or bool(per_host)  # workers from new_worker_spec
+            local = EmbeddedCluster(n_workers=0 if staged else n, gpus=gpu_ids,
+                                    per_host=per_host, threads_per_worker=1, processes=True,
+                                    **kwargs)
+            if staged:
+                local.scale(n)  # one per GPU, or labelled by host (new_worker_spec)
             client = Client(local, set_as_default=False)
         owns = True
     controller_settings = settings.replace(operator_token="")
@@ -630,6 +641,21 @@ def connect(address: str | Client | DaskCluster | None = None, *, n_workers: int
     joined = len(client.scheduler_info(n_workers=-1)["workers"]) if manager is not None else 0
     cluster._wait_for_slots(len(local.worker_spec) if local is not None else joined)
     return cluster
+
+
+def declared_host_size(hosts: int | None, n_workers: int, *, gpus: bool) -> int:
+    """Slots per declared host of an embedded cluster (0: none declared)."""
+    if hosts is None:
+        return 0
+    if gpus:
+        raise ValueError(
+            f"hosts={hosts} declares hosts of CPU workers; GPU workers' hosts and NVLink "
+            "domains are discovered (connect(gpus=False, hosts=...) for CPU workers)")
+    if hosts < 1 or n_workers % hosts:
+        raise ValueError(
+            f"hosts={hosts} must split n_workers={n_workers} into hosts of equal size: "
+            f"a divisor of {n_workers}, e.g. hosts={max(1, n_workers // 2)}")
+    return n_workers // hosts
 
 
 def _whoami() -> str:
