@@ -1,7 +1,11 @@
 from __future__ import annotations
 
+import importlib.util
+import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
 
 import cloudpickle
 import pytest
@@ -11,6 +15,17 @@ from tests import recipes
 
 # Test recipes travel by value: worker processes cannot import the tests package.
 cloudpickle.register_pickle_by_value(recipes)
+
+
+def load_file_module(path: Path, name: str) -> ModuleType:
+    """A script that is not in a package (a benchmark, a docs builder) as a module, listed
+    in ``sys.modules`` under ``name`` (dataclasses look their module up there)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def wait_for(cond: Callable[[], object], timeout: float = 60.0, what: str = "condition") -> None:

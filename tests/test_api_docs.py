@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 from pathlib import Path
 
 import pytest
 
 import nbtrain
+from tests.conftest import load_file_module
 
 pytest.importorskip("pdoc")
 
@@ -24,10 +24,7 @@ def test_every_public_name_is_documented() -> None:
 
 def test_api_reference_builds(tmp_path: Path) -> None:
     path = Path(__file__).resolve().parent.parent / "docs" / "build_api.py"
-    spec = importlib.util.spec_from_file_location("build_api", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_file_module(path, "build_api")
     out = module.build(tmp_path / "api")
     pages = {p.relative_to(out).as_posix() for p in out.rglob("*.html")}
     assert {"nbtrain.html", "nbtrain/engine/job.html", "nbtrain/runtime/context.html"} <= pages

@@ -5,24 +5,18 @@ training and during a preemption), each job compared with its uninterrupted twin
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
+
+from tests.conftest import load_file_module
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _chaos() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("nbtrain_chaos_bench",
-                                                  ROOT / "benchmarks" / "chaos.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_file_module(ROOT / "benchmarks" / "chaos.py", "nbtrain_chaos_bench")
 
 
 def test_every_fault_kind_once_loses_and_corrupts_nothing(tmp_path: Path) -> None:

@@ -7,34 +7,25 @@ text progress, the summary, the picture and the HTML report."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import nbformat
 import pytest
+
+from tests.conftest import load_file_module
 
 REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.timeout(600)
 
 
-def course_box() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("nbtrain_course_box",
-                                                  REPO / "benchmarks" / "course_box.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_headless_notebook_fits_binders_box_and_writes_its_report(tmp_path: Path) -> None:
     if os.geteuid() != 0 or shutil.which("taskset") is None:
         pytest.skip("needs root (a memory cgroup) and taskset, as CI has them")
-    box = course_box()
+    box = load_file_module(REPO / "benchmarks" / "course_box.py", "nbtrain_course_box")
     report = tmp_path / "report.html"
     result = box.run_notebook(REPO / "notebooks" / "04_headless_report.ipynb",
                               Path(sys.prefix), REPO, tmp_path, box.LIMIT_MB,

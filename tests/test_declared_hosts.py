@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import collections
-import time
 from pathlib import Path
 
 import pytest
 
 import nbtrain
 from nbtrain.engine.cluster import declared_host_size
+from tests.conftest import wait_for
 
 
 def hosts_of(cluster: nbtrain.Cluster) -> dict[str, str]:
@@ -29,13 +29,9 @@ def test_workers_are_hosts_of_equal_size_and_a_restarted_one_keeps_its_host(
 
         address = sorted(before)[0]
         cluster.client.restart_workers([address])
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            after = hosts_of(cluster)
-            if len(after) == 4 and address not in after:
-                break
-            time.sleep(0.2)
-        assert len(after) == 4 and address not in after, after
+        wait_for(lambda: len(hosts_of(cluster)) == 4 and address not in hosts_of(cluster),
+                 60, "the restarted worker's slot")
+        after = hosts_of(cluster)
         # the nanny brought the worker back with its spec's environment: the same host
         assert sorted(collections.Counter(after.values()).items()) == [("node0", 2),
                                                                         ("node1", 2)]
