@@ -646,11 +646,11 @@ class StragglerDetector:
         started = self._run_start[suspect]
         self._since[suspect] = np.where(started >= 0, started, step)
         watched = np.array([[p in s.phases] for p in PHASES])
+        candidates = (state < 2) & ~cleared & watched & (self._run_s >= s.confirm_s)
+        # the lasting path's evidence, copied out of the ring only when someone may use it
         long_excess = (self._excess[self._recent(s.sustain_steps)[::-1]]
-                       if s.sustain_steps > s.confirm_steps else None)
-        confirmed = self._cost.confirm(
-            (state < 2) & ~cleared & watched & (self._run_s >= s.confirm_s), excess, evidence_s,
-            sustained=long_excess)
+                       if s.sustain_steps > s.confirm_steps and candidates.any() else None)
+        confirmed = self._cost.confirm(candidates, excess, evidence_s, sustained=long_excess)
         unannounced = confirmed & (state == 0)  # confirmed before it was ever suspect
         started = self._run_start[unannounced]
         self._since[unannounced] = np.where(started >= 0, started, step)

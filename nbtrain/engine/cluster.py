@@ -652,9 +652,10 @@ def declared_host_size(hosts: int | None, n_workers: int, *, gpus: bool) -> int:
             f"hosts={hosts} declares hosts of CPU workers; GPU workers' hosts and NVLink "
             "domains are discovered (connect(gpus=False, hosts=...) for CPU workers)")
     if hosts < 1 or n_workers % hosts:
+        divisors = ", ".join(str(d) for d in range(1, n_workers + 1) if n_workers % d == 0)
         raise ValueError(
             f"hosts={hosts} must split n_workers={n_workers} into hosts of equal size: "
-            f"a divisor of {n_workers}, e.g. hosts={max(1, n_workers // 2)}")
+            f"a divisor of {n_workers} ({divisors})")
     return n_workers // hosts
 
 
