@@ -138,7 +138,8 @@ def test_lost_worker_shrinks_the_job_and_it_grows_back_with_dataloader_workers(
         tmp_path: Path) -> None:
     """Two ``dask worker`` processes; SIGKILL one with its nanny (no spare, nothing restarts
     it): the job continues at one rank, and grows back to two when a new worker joins. The
-    batches come from DataLoader worker processes (``num_workers=2``)."""
+    batches come from DataLoader worker processes (``num_workers=2``). (Resizes the user asks
+    for are the 2-1-2 test's above; this one does only the ones a lost worker causes.)"""
     out = tmp_path / "out"
     out.mkdir()
     env = {"NBTRAIN_RESIZE_INTERVAL_S": "1"}
@@ -152,21 +153,15 @@ def test_lost_worker_shrinks_the_job_and_it_grows_back_with_dataloader_workers(
                            world_size=2, min_size=1, steps=10**6, checkpoint=5,
                            name="elastic")
             wait_for(lambda: job.step >= 10, 180, "training at 2 ranks")
-            job.resize(1)
-            _wait_resized(job, 1, 1)
-            _train_on(job)
-            job.resize(2)
-            _wait_resized(job, 2, 2)
-            _train_on(job)
             os.killpg(victim.pid, signal.SIGKILL)
-            _wait_resized(job, 3, 1)
+            _wait_resized(job, 1, 1)
             lost = _resizes(job, "started")[-1]
             assert "1 of 2 ranks fit now" in lost["reason"], lost
             [fault] = job.faults
             assert "left the cluster" in fault["error"], fault
             _train_on(job)
             sc.add_workers(1, name="c")
-            _wait_resized(job, 4, 2)
+            _wait_resized(job, 2, 2)
             assert "grow" in _resizes(job, "requested")[-1]["reason"]
             _train_on(job)
             final = _stopped_at(job)
@@ -174,5 +169,5 @@ def test_lost_worker_shrinks_the_job_and_it_grows_back_with_dataloader_workers(
             assert job.restarts == 1, _explain(job)
             ledger = account(out, final, n=256, global_batch_size=32)
             assert (ledger.duplicates, ledger.missing) == (0, 0), ledger
-            assert list(ledger.sizes.values()) == [2, 1, 2, 1, 2]
+            assert list(ledger.sizes.values()) == [2, 1, 2]
             assert_params_equal(out, single_process_params(final))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import random
 import sys
 import time
@@ -67,7 +68,9 @@ from nbtrain.core.sched_types import (
 from nbtrain.core.scheduler import Scheduler
 from nbtrain.core.topology import Topology
 
-N_WORKLOADS = 2000  # small random workloads (5-60 jobs each), in CHUNKS parametrized cases
+# Small random workloads (5-60 jobs each), in CHUNKS parametrized cases. The suite runs 800;
+# a longer campaign: NBTRAIN_PROPERTY_WORKLOADS=20000 pytest tests/test_scheduler_property.py
+N_WORKLOADS = int(os.environ.get("NBTRAIN_PROPERTY_WORKLOADS", "800"))
 CHUNKS = 8
 BIG_SEEDS = (0, 1, 2)  # the 400-job, three-priority, 4 x 8 GPU workload of issue 24
 # Seeds that find a bug, replayed one by one: 24 and 193 raised "need at least one array to

@@ -137,7 +137,11 @@ def test_fair_share_gives_teams_slot_time_in_their_weights(tmp_path: Path) -> No
 
         while finished() < 64:
             for team, js in jobs.items():
-                while sum(not j.done for j in js) < 3:  # both teams always have a backlog
+                # Both teams always have jobs queued, even with both slots theirs and this
+                # loop slow to notice ends on a busy machine: fewer, and a slot freed while a
+                # team has nothing queued goes to the other team (work-conserving), which
+                # skews the shares by how slow this loop is, not by the weights.
+                while sum(not j.done for j in js) < 5:
                     js.append(c.submit(Regression(step_sleep=0.02), world_size=1, steps=12,
                                        team=team, checkpoint=None))
             done = finished()
@@ -155,14 +159,14 @@ def test_fair_share_gives_teams_slot_time_in_their_weights(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
-def test_twenty_worker_restarts_leave_the_slot_count_unchanged() -> None:
-    # Twenty: each worker restarted ten times, many within Dask's 15 s window in which a
+def test_ten_worker_restarts_leave_the_slot_count_unchanged() -> None:
+    # Ten: each worker restarted five times, each within Dask's 15 s window in which a
     # SpecCluster used to close a worker restarted twice (the bug this guards against).
     with nbtrain.connect(n_workers=2) as c:
         slot_ids = {s["slot"] for s in c.snapshot()["slots"]}
         assert len(slot_ids) == 2
         restarts = 0
-        while restarts < 20:
+        while restarts < 10:
             before = set(c.slots)
             pids = c.client.run(os.getpid)
             for address in before:

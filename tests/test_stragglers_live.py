@@ -15,11 +15,12 @@ def test_slow_compute_rank_is_flagged_with_phase(free_cluster: nbtrain.Cluster) 
     job = free_cluster.submit(Regression(step_sleep=0.01), world_size=2, steps=1_000_000,
                               faults=[Fault("slow", rank=1, step=30, factor=2.5)])
     # The policy acts on verdicts when rank 0's next rows arrive, which may be after the
-    # verdict itself: wait for both before stopping the job.
+    # verdict itself: wait for both before stopping the job, and for the steps after 60
+    # that the step-time check below reads (a confirmation may come sooner).
     wait_for(lambda: any(a["kind"] == "straggler" and a["state"] == "confirmed"
                          for a in job.alerts)
-             and any(a["kind"] == "mitigation" for a in job.alerts), 180,
-             "a confirmed straggler and the policy's alert")
+             and any(a["kind"] == "mitigation" for a in job.alerts) and job.step >= 90, 180,
+             "a confirmed straggler, the policy's alert and 90 steps")
     job.stop()
     assert job.wait(60) is JobState.CANCELLED
     # Only confirmed verdicts name the straggler: suspects are the early signal, which on a

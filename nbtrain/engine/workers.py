@@ -22,6 +22,15 @@ from nbtrain.config import Settings
 
 logger = logging.getLogger(__name__)
 
+#: How long a rank waits for its worker's warm-up before it starts anyway (with a warning).
+WARM_UP_WAIT_S = 300.0
+#: Clear while this worker's warm-up thread runs. A rank task waits for it: two threads
+#: importing torch's modules at once can deadlock on Python's import locks (seen under load:
+#: the warm-up importing ``torch._dynamo`` while a rank on a just-restarted worker imported
+#: FSDP; Python broke the deadlock with an error, and the job restarted once more).
+_warm = threading.Event()
+_warm.set()
+
 __all__ = ["SLOT_ABOUT", "NbtrainNanny", "NbtrainWorker", "worker_labels"]
 
 #: What the views show of a worker's labels besides its place (host, NVLink domain, leaf,
@@ -96,6 +105,7 @@ class NbtrainWorker(WorkerPlugin):
             quiet(worker)
             tune_malloc()
         if self.warm_up:
+            _warm.clear()
             threading.Thread(target=_try_warm_up, name="nbtrain-warm-up", daemon=True).start()
         if getattr(worker, "nanny", None) is None:  # ``dask worker --no-nanny`` (a pod's)
             _on_sigterm(lambda: worker.close_gracefully(reason="SIGTERM"))
@@ -193,3 +203,15 @@ def _try_warm_up() -> None:
         _warm_up()
     except Exception:  # a worker without torch cannot run ranks; the controller says so
         logger.warning("nbtrain: warming up torch failed on this worker", exc_info=True)
+    finally:
+        _warm.set()
+
+
+def wait_for_warm_up(timeout: float = WARM_UP_WAIT_S) -> bool:
+    """Block until this worker's warm-up imports are done (at once where none runs); False
+    if ``timeout`` passed first (then the caller goes on, and a warning says so)."""
+    if _warm.wait(timeout):
+        return True
+    logger.warning("nbtrain: this worker's torch warm-up still runs after %.0f s; the rank "
+                   "starts anyway", timeout)
+    return False
