@@ -121,8 +121,14 @@ def test_job_outlives_its_client_and_only_its_owner_or_the_operator_steer_it(
 
 @pytest.mark.slow
 def test_fair_share_gives_teams_slot_time_in_their_weights(tmp_path: Path) -> None:
-    """Teams weighted 1:3 keep short jobs queued on a full cluster: slot-time 1:3 (+-10%),
-    measured from the jobs' own start and end times, not the scheduler's ledger."""
+    """Teams weighted 1:3 keep short jobs queued on a full cluster: slot-time 1:3, measured
+    from the jobs' own start and end times, not the scheduler's ledger, to within what
+    whole jobs allow. Fair share hands out whole jobs and never preempts: a freed slot goes
+    to the team furthest below its share, and that team's slot-time then jumps by a whole
+    job (the small team's by 3x as much of its share as the big team's), so at any moment
+    the shares may be off by up to one job per slot. The check allows that much on each
+    side, and no more (on a quiet machine a 1:2 split fails it; equal shares fail it by far
+    on any)."""
     with standalone_cluster(2, logs=tmp_path / "logs",
                      scheduler_env={"NBTRAIN_TEAM_WEIGHTS": "small:1,big:3"}) as cc, \
             _connect(cc.address) as c:
@@ -147,15 +153,18 @@ def test_fair_share_gives_teams_slot_time_in_their_weights(tmp_path: Path) -> No
             done = finished()
             wait_for(lambda n=done: finished() > n, 120, "a job to finish")
         end = time.time()
-        held = {team: sum(min(j.ended_at or end, end) - j.started_at for j in js
-                          if j.started_at is not None)
-                for team, js in jobs.items()}
+        spans = {team: [min(j.ended_at or end, end) - j.started_at for j in js
+                        if j.started_at is not None]
+                 for team, js in jobs.items()}
         for js in jobs.values():
             for j in js:
                 if not j.done:
                     j.stop()
-        ratio = held["big"] / held["small"]
-        assert 2.7 <= ratio <= 3.3, (ratio, held)
+        held = {team: sum(s) for team, s in spans.items()}
+        slack = 2 * max(max(s) for s in spans.values())  # one whole job per slot
+        low = (held["big"] - slack) / (held["small"] + slack)
+        high = (held["big"] + slack) / (held["small"] - slack)
+        assert low <= 3.0 <= high, (held["big"] / held["small"], low, high, held, slack)
 
 
 @pytest.mark.slow
