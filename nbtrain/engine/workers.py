@@ -13,6 +13,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 from distributed import WorkerPlugin
@@ -24,12 +25,12 @@ logger = logging.getLogger(__name__)
 
 #: How long a rank waits for its worker's warm-up before it starts anyway (with a warning).
 WARM_UP_WAIT_S = 300.0
-#: Clear while this worker's warm-up thread runs. A rank task waits for it: two threads
-#: importing torch's modules at once can deadlock on Python's import locks (seen under load:
-#: the warm-up importing ``torch._dynamo`` while a rank on a just-restarted worker imported
-#: FSDP; Python broke the deadlock with an error, and the job restarted once more).
-_warm = threading.Event()
-_warm.set()
+#: The warm-up threads this process started (one per worker set up in it). A rank task
+#: waits for them: two threads importing torch's modules at once can deadlock on Python's
+#: import locks (seen under load: the warm-up importing ``torch._dynamo`` while a rank on a
+#: just-restarted worker imported FSDP; Python broke the deadlock with an error, and the job
+#: restarted once more).
+_warm_ups: list[threading.Thread] = []
 
 __all__ = ["SLOT_ABOUT", "NbtrainNanny", "NbtrainWorker", "worker_labels"]
 
@@ -105,8 +106,9 @@ class NbtrainWorker(WorkerPlugin):
             quiet(worker)
             tune_malloc()
         if self.warm_up:
-            _warm.clear()
-            threading.Thread(target=_try_warm_up, name="nbtrain-warm-up", daemon=True).start()
+            thread = threading.Thread(target=_try_warm_up, name="nbtrain-warm-up", daemon=True)
+            _warm_ups.append(thread)
+            thread.start()
         if getattr(worker, "nanny", None) is None:  # ``dask worker --no-nanny`` (a pod's)
             _on_sigterm(lambda: worker.close_gracefully(reason="SIGTERM"))
 
@@ -203,14 +205,15 @@ def _try_warm_up() -> None:
         _warm_up()
     except Exception:  # a worker without torch cannot run ranks; the controller says so
         logger.warning("nbtrain: warming up torch failed on this worker", exc_info=True)
-    finally:
-        _warm.set()
 
 
 def wait_for_warm_up(timeout: float = WARM_UP_WAIT_S) -> bool:
     """Block until this worker's warm-up imports are done (at once where none runs); False
     if ``timeout`` passed first (then the caller goes on, and a warning says so)."""
-    if _warm.wait(timeout):
+    deadline = time.monotonic() + timeout
+    for thread in list(_warm_ups):
+        thread.join(max(0.0, deadline - time.monotonic()))
+    if not any(thread.is_alive() for thread in _warm_ups):
         return True
     logger.warning("nbtrain: this worker's torch warm-up still runs after %.0f s; the rank "
                    "starts anyway", timeout)
