@@ -41,8 +41,11 @@ def test_checkpoint_every_and_straggler_settings_change_live_and_survive_a_recov
     job = free_cluster.submit(recipes.steered_train, world_size=2, steps=STEPS,
                               config={"step_sleep": 0.02}, checkpoint=10, max_restarts=2,
                               name="builtin-knobs")
-    wait_for(lambda: "checkpoint_every" in job.knobs.declared and job.step >= 3, 120,
-             "the job's knobs")
+    # The change goes in once a checkpoint at the old interval committed, so the steps
+    # before it hold one (under load the job can be slower than this thread: a change sent
+    # at step 3 could apply before step 10, leaving nothing to compare before it).
+    wait_for(lambda: "checkpoint_every" in job.knobs.declared and bool(job.checkpoints), 120,
+             "the job's knobs and its first checkpoint")
     declared = job.knobs.declared
     assert declared["checkpoint_every"].default == 10 and declared["checkpoint_every"].integer
     assert declared["straggler_ratio"].by == "controller"
