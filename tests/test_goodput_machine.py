@@ -46,3 +46,21 @@ def test_the_goodput_interval_is_a_setting_with_the_schedulers_default() -> None
     assert Settings.load(goodput_interval_s=60).goodput_interval_s == 60.0
     with pytest.raises(ValueError, match="goodput_interval_s must be > 0"):
         Settings.load(goodput_interval_s=-1)
+
+
+def test_a_goodput_jobs_status_carries_its_curve_and_a_fixed_jobs_does_not() -> None:
+    h = Harness(workers=4)
+    h.submit("g", 2, min_size=1, max_size=4, sizing="goodput")
+    h.submit("f", 2, min_size=1)
+    for job_id in ("g", "f"):
+        h.steps(job_id, h.launches(job_id)[-1].generation, 5, step_s=0.02)
+    points = h.m.status("g").speedup
+    assert [p["size"] for p in points] == [1.0, 2.0, 3.0, 4.0]
+    [measured] = [p for p in points if "step_s" in p]
+    assert measured["size"] == 2.0 and measured["step_s"] == pytest.approx(0.02)
+    assert measured["steps"] >= 1 and measured["speedup"] == pytest.approx(1.0)
+    # one size measured: perfect scaling assumed, trusted nowhere
+    assert [p["speedup"] for p in points] == pytest.approx([0.5, 1.0, 1.5, 2.0])
+    assert all(p["confidence"] == 0.0 for p in points)
+    assert h.m.status("f").speedup == ()
+    assert h.m.status("g").to_dict()["speedup"][1]["size"] == 2.0

@@ -139,3 +139,10 @@ def test_the_noise_scale_estimate_recovers_a_known_noise_scale(b_noise: float) -
     single = NoiseScale()
     single.observe(1.0, 1.0, 8, 1)
     assert single.value is None
+
+
+def test_points_cover_the_multiples_of_the_replica_in_the_bounds() -> None:
+    m = GoodputModel(ref_size=2)
+    assert [p["size"] for p in m.points_between(3, 8, 2)] == [4.0, 6.0, 8.0]
+    assert [p["size"] for p in m.points_between(1, 3)] == [1.0, 2.0, 3.0]
+    assert all("step_s" not in p for p in m.points_between(1, 3))  # nothing measured yet

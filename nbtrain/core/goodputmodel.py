@@ -24,6 +24,7 @@ fits badly, or rests on noisy means, counts for less.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from nbtrain.core.gradnoise import efficiency
@@ -143,3 +144,23 @@ class GoodputModel:
         se = sum(s.rel_se for s in self._stats.values()) / k
         quality = math.exp(-(self._fit[1] + se) / self.settings.noise_tolerance)
         return support * coverage * quality
+
+    def points(self, sizes: Iterable[int]) -> tuple[dict[str, float], ...]:
+        """The curve as views draw it: per size, ``size``, ``speedup``, ``confidence`` and,
+        where the job ran at that size, ``step_s`` (its mean measured step time) and
+        ``steps`` (how many steps the mean covers)."""
+        out = []
+        for n in sizes:
+            point = {"size": float(n), "speedup": self.speedup(n),
+                     "confidence": self.confidence(n)}
+            stats = self._stats.get(n)
+            if stats is not None:
+                point.update(step_s=stats.mean, steps=stats.count)
+            out.append(point)
+        return tuple(out)
+
+    def points_between(self, lo: int, hi: int, replica: int = 1
+                       ) -> tuple[dict[str, float], ...]:
+        """``points`` at every multiple of ``replica`` in ``[lo, hi]``."""
+        first = max(replica, -(-lo // replica) * replica)
+        return self.points(range(first, hi + 1, replica))

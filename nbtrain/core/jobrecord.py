@@ -120,6 +120,9 @@ class JobStatus:
     resize_note: str  # why a resize the user asked for has not happened yet ("" if none)
     knob_seq: int = 0  # the newest knob change accepted (``core.knobs``)
     waiting_s: float = 0.0  # a queued job: seconds in this wait so far (0 otherwise)
+    #: A goodput-sized job's fitted speedup curve, one point per size it may run at
+    #: (``GoodputModel.points``); empty for other jobs.
+    speedup: tuple[dict[str, Any], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}

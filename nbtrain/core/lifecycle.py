@@ -172,7 +172,10 @@ class JobMachine:
     def status(self, job_id: str) -> JobStatus:
         """Snapshot of one job; ``KeyError`` for an unknown (or forgotten) id."""
         job = self._jobs[job_id]
-        return job.status(self.now, self._addresses(job))
+        status = job.status(self.now, self._addresses(job))
+        model = None if self.sched is None else self.sched.goodput_model(job_id)
+        return status if model is None else replace(status, speedup=model.points_between(
+            status.min_size, status.max_size, job.spec.layout.replica))
 
     def control(self, job_id: str) -> GenerationControl | None:
         """The job's live generation's control flags (None: no live generation, or unknown)."""

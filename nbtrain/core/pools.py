@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from dataclasses import replace
 
+from nbtrain.core.goodputmodel import GoodputModel
 from nbtrain.core.sched_types import (
     Cancelled,
     Checkpointed,
@@ -146,6 +147,11 @@ class DevicePools:
     def kind_of(self, job_id: str) -> str:
         """The device kind a job was submitted for ("" for an unknown job)."""
         return self._kind.get(job_id, "")
+
+    def goodput_model(self, job_id: str) -> GoodputModel | None:
+        """The goodput model of a goodput-sized job (``None`` for other jobs, or unknown)."""
+        pool = self.pools.get(self._kind.get(job_id, ""))
+        return None if pool is None else pool.goodput_model(job_id)
 
     def kinds(self) -> list[str]:
         """Kinds that have slots, in ``KINDS`` order."""
