@@ -301,13 +301,15 @@ class Scheduler(JobBook):
 
     # ================================================================== goodput sizing
     def _goodput_candidates(self) -> list[tuple[JobRecord, goodput_sizing.Candidate]]:
-        """Running goodput-sized jobs past their resize interval, with their models."""
+        """Running goodput-sized jobs past their resize interval and measured at the size
+        they run at (a job not yet measured there would be moved blind: a first step can
+        take longer than the interval), with their models."""
         cfg = self.config
         wait = max(cfg.goodput_interval_s, cfg.min_resize_interval_s)
         out = []
         for j in self._flex.values():
             model = self._models.get(j.req.job_id)
-            if model is None or self.now - j.start_t < wait:
+            if model is None or self.now - j.start_t < wait or j.size not in model.sizes:
                 continue
             out.append((j, goodput_sizing.Candidate(
                 job_id=j.req.job_id, model=model, size=j.size, min_size=j.req.min_slots,

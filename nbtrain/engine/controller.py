@@ -151,6 +151,9 @@ class ClusterController(SchedulerPlugin):
             SchedulerConfig(team_weights=s.team_weight_map(), preempt_grace_s=s.preempt_grace_s,
                             min_resize_interval_s=s.resize_interval_s,
                             goodput_interval_s=s.goodput_interval_s,
+                            # no use looking at goodput-sized jobs more often than they move
+                            goodput_check_s=min(SchedulerConfig.goodput_check_s,
+                                                s.goodput_interval_s),
                             share_window_s=s.share_window_s),
         )
         self.assets: dict[str, JobAssets] = {}
