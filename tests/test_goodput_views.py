@@ -1,0 +1,124 @@
+"""The goodput views without a cluster: a job page fed a goodput-sized job's status draws its
+speedup curve and current size (and a fixed job's page has no such plot); the cluster's
+goodput series sampled from snapshots with known ledgers, and the class page drawing it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from bokeh.document import Document
+
+from nbtrain.ui.jobpage import JobPage
+
+
+def curve(*, measured: Mapping[int, float], sizes: tuple[int, ...] = (2, 4, 6, 8),
+          confidence: float = 0.8) -> list[dict[str, Any]]:
+    """A status's ``speedup`` as ``GoodputModel.points`` writes it: ``measured`` maps a size
+    to its mean step time; sizes beyond the largest measured one are less trusted."""
+    top = max(measured)
+    out = []
+    for n in sizes:
+        point: dict[str, Any] = {"size": float(n), "speedup": n / 4 * (1 - 0.02 * n),
+                                 "confidence": confidence if n <= top else confidence / 4}
+        if n in measured:
+            point.update(step_s=measured[n], steps=40.0)
+        out.append(point)
+    return out
+
+
+@dataclass
+class StatusFeed:
+    """A job page's feed (``JobFeed``) whose status the test sets; no rows, no events."""
+
+    now: dict[str, Any]
+    job_id: str = "j"
+    can_control: bool = False
+    asked: list[str] = field(default_factory=list)
+
+    def rows_since(self, position: int) -> tuple[list[Any], int]:
+        return [], position
+
+    def events_since(self, position: int) -> tuple[list[dict[str, Any]], int]:
+        return [], position
+
+    def status(self) -> Mapping[str, Any]:
+        return self.now
+
+    def request(self, what: str, arg: Any = None) -> None:
+        self.asked.append(what)
+
+
+def _status(**extra: Any) -> dict[str, Any]:
+    return {"state": "RUNNING", "name": "j", "world_size": 4, "min_size": 2, "max_size": 8,
+            "size": 4, **extra}
+
+
+def _page(feed: StatusFeed) -> tuple[JobPage, Document]:
+    page = JobPage(feed)
+    doc = Document()
+    doc.add_root(page.layout)
+    return page, doc
+
+
+def test_a_goodput_jobs_page_draws_its_curve_measured_points_and_current_size() -> None:
+    page, doc = _page(StatusFeed(_status(speedup=curve(measured={4: 0.1, 6: 0.072}))))
+    assert page.speedup_plot is not None
+    assert page.speedup_plot.figure in page.layout.children
+    data = doc.get_model_by_name("speedup-curve").data
+    assert list(data["size"]) == [2, 4, 6, 8]
+    assert list(data["speedup"]) == [n / 4 * (1 - 0.02 * n) for n in (2, 4, 6, 8)]
+    assert list(data["confidence"]) == [0.8, 0.8, 0.8, 0.2]
+    # the extrapolated size is fainter, and so is the segment that reaches it
+    assert data["alpha"][3] < data["alpha"][2] == data["alpha"][0]
+    segments = doc.get_model_by_name("speedup-segments").data
+    assert list(segments["x0"]) == [2, 4, 6] and list(segments["x1"]) == [4, 6, 8]
+    assert segments["alpha"][2] == data["alpha"][3] < segments["alpha"][1]
+    measured = doc.get_model_by_name("speedup-measured").data
+    assert list(measured["size"]) == [4, 6]
+    assert list(measured["step_ms"]) == [100.0, 72.0] and list(measured["steps"]) == [40, 40]
+    assert math.isnan(data["step_ms"][0])  # not measured at 2: no step time on hover
+    current = doc.get_model_by_name("speedup-current").data
+    assert list(current["size"]) == [4] and list(current["speedup"]) == [data["speedup"][1]]
+    assert page.speedup_plot.span.location == 4.0 and page.speedup_plot.span.visible
+
+
+def test_a_fixed_jobs_page_has_no_speedup_plot() -> None:
+    page, doc = _page(StatusFeed(_status(speedup=[])))
+    page.refresh()
+    assert page.speedup_plot is None
+    assert doc.get_model_by_name("speedup-curve") is None
+    assert doc.get_model_by_name("nbtrain-speedup") is None
+    # a status without the field at all (an older controller) neither
+    page, doc = _page(StatusFeed(_status()))
+    assert page.speedup_plot is None and doc.get_model_by_name("speedup-curve") is None
+
+
+def test_the_curve_is_redrawn_only_when_it_or_the_size_changed() -> None:
+    feed = StatusFeed(_status(speedup=curve(measured={4: 0.1})))
+    page, doc = _page(feed)
+    plot = page.speedup_plot
+    assert plot is not None
+    source = doc.get_model_by_name("speedup-curve")
+    drawn = source.data
+    page.refresh()
+    page.refresh()
+    assert source.data is drawn  # the same curve: nothing sent to the browser
+    # the job ran at 6 too: the curve, its confidence and the measured points change
+    feed.now = _status(size=6, speedup=curve(measured={4: 0.1, 6: 0.07}, confidence=0.9))
+    page.refresh()
+    assert source.data is not drawn
+    assert list(doc.get_model_by_name("speedup-measured").data["size"]) == [4, 6]
+    assert list(source.data["confidence"]) == [0.9, 0.9, 0.9, 0.225]
+    assert list(doc.get_model_by_name("speedup-current").data["size"]) == [6]
+    assert plot.span.location == 6.0
+    # preempted: it holds no slots; the curve stays, the current size is not marked
+    feed.now = {**feed.now, "state": "PREEMPTED", "size": 0}
+    page.refresh()
+    assert list(doc.get_model_by_name("speedup-current").data["size"]) == []
+    assert plot.span.location is None and not plot.span.visible
+    assert list(source.data["size"]) == [2, 4, 6, 8]
+    assert page.speedup_plot is plot  # one plot, updated in place
+    assert sum(1 for c in page.layout.children if c is plot.figure) == 1
