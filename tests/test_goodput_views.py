@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 from bokeh.document import Document
 
 from nbtrain.ui.jobpage import JobPage
@@ -122,3 +123,80 @@ def test_the_curve_is_redrawn_only_when_it_or_the_size_changed() -> None:
     assert list(source.data["size"]) == [2, 4, 6, 8]
     assert page.speedup_plot is plot  # one plot, updated in place
     assert sum(1 for c in page.layout.children if c is plot.figure) == 1
+
+
+# ====================================================================== the cluster's goodput
+def _slots(free: int, held: dict[str, int], offline: int = 0) -> list[dict[str, Any]]:
+    out = [{"slot": f"f{i}", "state": "free", "job": None} for i in range(free)]
+    out += [{"slot": f"{job}{i}", "state": "held", "job": job}
+            for job, n in held.items() for i in range(n)]
+    return out + [{"slot": f"o{i}", "state": "offline", "job": None} for i in range(offline)]
+
+
+def _job(job_id: str, size: int, productive_s: float, **extra: Any) -> dict[str, Any]:
+    return {"job_id": job_id, "size": size, "goodput": {"productive_s": productive_s},
+            **extra}
+
+
+def test_the_cluster_goodput_is_the_productive_share_of_online_slot_time() -> None:
+    from nbtrain.core.clustergoodput import ClusterGoodputSeries, GoodputSeriesSettings
+
+    series = ClusterGoodputSeries(GoodputSeriesSettings(period_s=10.0, max_points=3))
+    slots = _slots(2, {"a": 4, "b": 2}, offline=3)  # 8 online: 6 held, 2 free; 3 offline
+    # the first sample only sets the ledgers' baselines
+    assert series.sample(0.0, 1000.0, slots, [_job("a", 4, 50.0), _job("b", 2, 7.0)]) is None
+    assert series.points() == []
+    assert not series.due(9.0) and series.due(10.0)
+    # over 10 s: a trained all of it (4 slots), b 5 s of it (2 slots; recovering the rest);
+    # c, submitted in the period, trained 3 s but holds no slots now (it ended): it adds 0
+    point = series.sample(10.0, 1010.0, slots, [
+        _job("a", 4, 60.0), _job("b", 2, 12.0), _job("c", 0, 3.0)])
+    assert point is not None
+    assert point.share == (4 * 10 + 2 * 5) / (8 * 10)
+    assert (point.held, point.online, point.speedup) == (6 / 8, 8, 0.0)
+    # a rollback (productive_s fell: work lost) counts 0 for that job, never below; a new job
+    # counts from 0; a ledger cannot give more than the period; goodput-sized jobs' speedups
+    # at their current size add up
+    curve_a = [{"size": 2.0, "speedup": 0.6}, {"size": 4.0, "speedup": 1.1}]
+    point = series.sample(20.0, 1020.0, slots, [
+        _job("a", 4, 40.0, speedup=curve_a), _job("b", 2, 100.0),
+        _job("d", 2, 4.0, speedup=[{"size": 2.0, "speedup": 1.0}])])
+    assert point is not None
+    assert point.share == (0 + 2 * 10 + 2 * 4) / (8 * 10)
+    assert point.speedup == 1.1 + 1.0
+    # bounded: the newest max_points samples
+    for t in (30.0, 40.0):
+        series.sample(t, 1000.0 + t, slots, [])
+    assert [p["time"] for p in series.points()] == [1020.0, 1030.0, 1040.0]
+    assert series.points()[-1]["share"] == 0.0  # nobody trained
+    # no online slot: share and held are 0, not a division by zero
+    empty = series.sample(50.0, 1050.0, _slots(0, {}, offline=2), [])
+    assert empty is not None and (empty.share, empty.held, empty.online) == (0.0, 0.0, 0)
+
+
+def test_a_restarted_series_continues_the_points_with_a_break_in_the_line() -> None:
+    from nbtrain.core.clustergoodput import ClusterGoodputSeries, GoodputSeriesSettings
+
+    settings = GoodputSeriesSettings(period_s=10.0, max_points=100)
+    first = ClusterGoodputSeries(settings)
+    slots = _slots(0, {"a": 2})
+    for t in (0.0, 10.0, 20.0):
+        first.sample(t, 1000.0 + t, slots, [_job("a", 2, t)])
+    kept = first.points()
+    assert [p["share"] for p in kept] == [1.0, 1.0]
+    # a new controller, 100 s later, whose ledgers started again
+    second = ClusterGoodputSeries(settings, points=kept)
+    assert second.points() == kept
+    assert second.sample(5.0, 1120.0, slots, [_job("a", 2, 1.0)]) is None  # baselines
+    second.sample(15.0, 1130.0, slots, [_job("a", 2, 6.0)])
+    cols = second.columns()
+    assert cols["time"][:2] == [1010.0, 1020.0] and cols["time"][3] == 1130.0
+    assert cols["time"][2] == (1020.0 + 1130.0) / 2 and math.isnan(cols["share"][2])
+    assert cols["share"][3] == 0.5
+
+
+def test_goodput_series_settings_name_the_fix() -> None:
+    from nbtrain.core.clustergoodput import GoodputSeriesSettings
+
+    with pytest.raises(ValueError, match=r"period_s=0 must be a positive.*max_points=1 must"):
+        GoodputSeriesSettings(period_s=0, max_points=1)
