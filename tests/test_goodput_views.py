@@ -5,6 +5,7 @@ goodput series sampled from snapshots with known ledgers, and the class page dra
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -200,3 +201,114 @@ def test_goodput_series_settings_name_the_fix() -> None:
 
     with pytest.raises(ValueError, match=r"period_s=0 must be a positive.*max_points=1 must"):
         GoodputSeriesSettings(period_s=0, max_points=1)
+
+
+def _cluster_snapshot(productive_s: float) -> dict[str, Any]:
+    """A 4-slot cluster as ``cluster_snapshot`` sends it: job a holds 2 slots."""
+    slots = [{"slot": f"h#{i}", "host": "h", "nvlink": "h", "address": f"tcp://h:{i}",
+              "state": "held" if i < 2 else "free", "job": "a" if i < 2 else None}
+             for i in range(4)]
+    jobs = [{"job_id": "a", "name": "a", "owner": "ann", "team": "t", "priority": 0,
+             "state": "RUNNING", "reason": "", "world_size": 2, "size": 2, "step": 7,
+             "steps": None, "restarts": 0, "waiting_s": 0.0,
+             "goodput": {"productive_s": productive_s, "fraction": 0.5}}]
+    return {"slots": slots, "jobs": jobs, "queue": [], "log": []}
+
+
+def test_the_class_page_draws_the_cluster_goodput_when_the_series_samples() -> None:
+    from nbtrain.core.clustergoodput import ClusterGoodputSeries, GoodputSeriesSettings
+    from nbtrain.ui.clusterpage import ClusterPage
+
+    series = ClusterGoodputSeries(GoodputSeriesSettings(period_s=10.0))
+    snap = _cluster_snapshot(0.0)
+
+    def sample(now: float, productive_s: float) -> None:
+        snap.update(_cluster_snapshot(productive_s))
+        series.sample(now, 1.7e9 + now, snap["slots"], snap["jobs"])
+
+    sample(0.0, 0.0)
+    sample(10.0, 10.0)  # a trained all 10 s on 2 of the 4 slots
+    page = ClusterPage(lambda: snap, lambda job_id: f"job?job={job_id}", goodput=series)
+    doc = Document()
+    doc.add_root(page.layout)
+    assert doc.get_model_by_name("nbtrain-cluster-goodput") is not None
+    source = doc.get_model_by_name("cluster-goodput")
+    assert list(source.data["time"]) == [1e3 * (1.7e9 + 10.0)]  # ms, for the datetime axis
+    assert list(source.data["share"]) == [0.5] and list(source.data["held"]) == [0.5]
+    assert list(source.data["online"]) == [4.0]
+    drawn = source.data
+    page.refresh()
+    assert source.data is drawn  # no new sample: nothing redrawn
+    sample(20.0, 15.0)  # 5 s of the next 10: a checkpoint or a recovery took the rest
+    page.refresh()
+    assert list(source.data["share"]) == [0.5, 0.25]
+    assert list(source.data["held"]) == [0.5, 0.5]
+    # a class page given no series (an older controller's) has no goodput plot
+    bare = ClusterPage(lambda: snap, lambda job_id: f"job?job={job_id}")
+    assert bare.goodput is None
+    assert not any(getattr(m, "name", None) == "cluster-goodput"
+                   for m in bare.layout.references())
+
+
+def test_the_store_keeps_a_note_across_a_reopen(tmp_path: Any) -> None:
+    from nbtrain.engine.store import ControllerStore
+
+    store = ControllerStore(tmp_path)
+    assert store.note("cluster_goodput") is None
+    store.put_note("cluster_goodput", [{"time": 1.0, "share": 0.5}])
+    store.put_note("cluster_goodput", [{"time": 2.0, "share": 0.25}])  # replaces it
+    store.close()
+    again = ControllerStore(tmp_path)
+    try:
+        assert again.note("cluster_goodput") == [{"time": 2.0, "share": 0.25}]
+        assert again.epoch == 2  # the schema's own entries are untouched
+    finally:
+        again.close()
+
+
+def _sample_often(dask_scheduler: Any, period_s: float | None) -> int:
+    """On the scheduler: the controller's goodput series replaced by one that samples every
+    ``period_s`` (None: its default settings, continuing the points); its point count."""
+    from nbtrain.core.clustergoodput import ClusterGoodputSeries, GoodputSeriesSettings
+    from nbtrain.engine.assets import PLUGIN_NAME
+
+    ctl = dask_scheduler.plugins[PLUGIN_NAME]
+    settings = None if period_s is None else GoodputSeriesSettings(period_s=period_s)
+    ctl.goodput_series = ClusterGoodputSeries(settings, points=ctl.goodput_series.points())
+    return len(ctl.goodput_series.points())
+
+
+def test_the_class_view_of_a_live_cluster_shows_its_goodput_growing(
+        free_cluster: Any) -> None:
+    from tests.conftest import wait_for
+    from tests.recipes import Regression
+    from tests.test_pages import model, page
+
+    client = free_cluster.client
+    client.run_on_scheduler(_sample_often, period_s=0.5)
+    job = free_cluster.submit(Regression(step_sleep=0.01), world_size=2, steps=10**6,
+                              checkpoint=None, name="goodput-live")
+    try:
+        wait_for(lambda: job.step >= 20, 120, "training")
+        url = free_cluster.page().url
+
+        def on_the_page() -> dict[str, list[float]]:
+            """The series as a class view opened now shows it (a pulled session is a copy
+            of the document at the time: pull again to see more)."""
+            with page(url) as doc:
+                return {k: list(v) for k, v in model(doc, "cluster-goodput").data.items()}
+
+        # The first points cover the ranks' start (slots held, nothing productive yet); a
+        # period spent training all of it reads about 1.
+        deadline = time.monotonic() + 60
+        shown = on_the_page()
+        while not (len(shown["share"]) >= 3 and shown["share"][-1] > 0.5):
+            assert time.monotonic() < deadline, f"no training period on the class view: {shown}"
+            time.sleep(0.5)
+            shown = on_the_page()
+        assert shown["held"][-1] == 1.0 and shown["online"][-1] == 2.0  # both slots, the job's
+        assert shown["time"] == sorted(shown["time"])
+    finally:
+        job.stop()
+        job.wait(120)
+        client.run_on_scheduler(_sample_often, period_s=None)

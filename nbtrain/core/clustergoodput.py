@@ -119,6 +119,9 @@ class ClusterGoodputSeries:
             (GoodputSample.from_dict(p) for p in points), maxlen=self.settings.max_points)
         self._last_now: float | None = None
         self._baseline: dict[str, float] = {}
+        #: Samples this series has taken (not those it continued): a view redraws when it
+        #: changed.
+        self.taken = 0
 
     def due(self, now: float) -> bool:
         """Whether a sample at ``now`` (monotonic seconds) is a period after the last."""
@@ -155,6 +158,7 @@ class ClusterGoodputSeries:
             held=held / online if online else 0.0, online=online,
             speedup=sum(speedup_now(s) for s in statuses.values()))
         self._samples.append(point)
+        self.taken += 1
         return point
 
     def points(self) -> list[dict[str, float]]:
