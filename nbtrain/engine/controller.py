@@ -56,6 +56,7 @@ from nbtrain.core.clusterevents import (
     shutdown_event,
     worker_refused_event,
 )
+from nbtrain.core.clustergoodput import ClusterGoodputSeries
 from nbtrain.core.departing import ranks_on, waiting
 from nbtrain.core.health import hung_ranks, rank_stacks
 from nbtrain.core.job import JobState
@@ -108,6 +109,8 @@ __all__ = ["RANK_TOPIC", "ClusterController", "JobAssets", "token_hash"]
 JOURNAL_WAIT_S = 30.0
 #: Events the controller keeps in its stimulus log.
 STIMULI_KEPT = 2_000
+#: The state directory's note holding the cluster's goodput series.
+GOODPUT_NOTE = "cluster_goodput"
 
 
 def default_state_dir(address: str) -> Path:
@@ -190,6 +193,9 @@ class ClusterController(SchedulerPlugin):
         self.epoch = self.store.epoch
         self._last_journal = -1e18
         self._restore()
+        #: The cluster's goodput over time (``core.clustergoodput``; the class view draws
+        #: it): sampled by the tick, journaled at every sample, continued after a restart.
+        self.goodput_series = ClusterGoodputSeries(points=self._goodput_points())
         handlers.install(self, scheduler)
         departures.install(self, scheduler, wait_s=s.retire_wait_s)
         #: Workers Dask's nanny killed for memory: address -> the fault's cause.
@@ -510,8 +516,20 @@ class ClusterController(SchedulerPlugin):
                     self._last_journal = now
                     for job_id in self.machine.job_ids():
                         self.journal_status(job_id, live_only=True)  # their step progress
+                if self.goodput_series.due(now):
+                    self._sample_goodput(now, wall)
             except Exception:  # the clock must keep going for every other job
                 logger.exception("nbtrain controller: a tick failed")
+
+    def _sample_goodput(self, now: float, wall: float) -> None:
+        jobs = [s for s in map(self.job_status, self.job_ids()) if s is not None]
+        if self.goodput_series.sample(now, wall, self.slots(), jobs) is not None:
+            self.store.put_note(GOODPUT_NOTE, self.goodput_series.points())
+
+    def _goodput_points(self) -> list[Mapping[str, Any]]:
+        """The goodput series an earlier controller on this state directory journaled."""
+        points = self.store.note(GOODPUT_NOTE)
+        return [p for p in points if isinstance(p, Mapping)] if isinstance(points, list) else []
 
     # ================================================================== workers
     def add_worker(self, scheduler: Any, worker: str) -> None:

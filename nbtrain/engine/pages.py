@@ -95,7 +95,8 @@ def cluster_document(scheduler: Any, extra: Mapping[str, Any], doc: Any) -> None
     from nbtrain.ui.clusterpage import ClusterPage
 
     page = ClusterPage(lambda: cluster_snapshot(ctl),
-                       lambda job_id: f".{PAGE_JOB}?{urlencode({'job': job_id})}")
+                       lambda job_id: f".{PAGE_JOB}?{urlencode({'job': job_id})}",
+                       goodput=ctl.goodput_series)
     doc.title = "nbtrain cluster"
     doc.add_root(page.layout)
     _every(doc, page.refresh, "class view")

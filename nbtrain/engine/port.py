@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from nbtrain.config import Settings
     from nbtrain.core.autoscale import AutoscaleDecision, AutoscaleSettings
+    from nbtrain.core.clustergoodput import ClusterGoodputSeries
     from nbtrain.core.lifecycle_types import Command, Event
     from nbtrain.engine.assets import JobAssets
     from nbtrain.engine.joblog import JobLog, Tail
@@ -51,6 +52,7 @@ class ControllerPort(RankPort, Protocol):
     store: ControllerStore
     cluster_log: Tail
     pages: str  # how the scheduler serves the pages: "dashboard", "attached" or "none"
+    goodput_series: ClusterGoodputSeries  # the cluster's goodput over time (class view)
 
     # -- jobs
     def job_ids(self) -> list[str]: ...

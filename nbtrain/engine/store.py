@@ -7,7 +7,8 @@ settings, checkpoint URL, ``resume=`` source, trackers, the owner's token hash),
 status and what a restarted machine needs to continue it (``CarriedHistory``), the result,
 and its history: events, step rows and the ranks' output, each addressed by the same
 absolute positions as the in-memory :class:`~nbtrain.engine.joblog.JobLog`, so a client
-reads old positions from here and new ones from memory without a seam.
+reads old positions from here and new ones from memory without a seam. Besides the jobs,
+small notes by key (:meth:`ControllerStore.put_note`: the cluster's goodput series).
 
 One writer thread owns the write connection: callers on the scheduler's event loop only
 enqueue (never wait on disk); the thread commits whatever has queued in one transaction
@@ -71,6 +72,10 @@ CREATE TABLE IF NOT EXISTS rows (job_id TEXT NOT NULL, pos INTEGER NOT NULL,
 CREATE TABLE IF NOT EXISTS output (job_id TEXT NOT NULL, pos INTEGER NOT NULL,
     data TEXT NOT NULL, PRIMARY KEY (job_id, pos)) WITHOUT ROWID;
 """
+
+#: Where :meth:`ControllerStore.put_note` keeps its values in the meta table (apart from the
+#: schema version and the epoch).
+_NOTE = "note:"
 
 #: The per-job history tables (the same positions as a ``JobLog``'s tails).
 HISTORY = ("events", "rows", "output")
@@ -207,6 +212,13 @@ class ControllerStore:
         assert table in HISTORY, table
         self._queue.put(("history", table, job_id, start, list(items)))
 
+    def put_note(self, key: str, value: Any) -> None:
+        """A small JSON value kept under ``key``, replacing the one before (what the
+        controller would otherwise know only in memory, e.g. the cluster's goodput series);
+        serialised on the writer thread, so pass a value nobody changes afterwards."""
+        self._put(lambda: ("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                           (_NOTE + key, _dumps(value))))
+
     def barrier(self) -> concurrent.futures.Future[None]:
         """Done once everything enqueued before it is committed (or failed to be)."""
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -301,6 +313,16 @@ class ControllerStore:
     def _set_meta(self, key: str, value: str) -> None:
         self._conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
                            (key, value))
+
+    def note(self, key: str) -> Any:
+        """The value last kept with :meth:`put_note` (None: none, or unreadable)."""
+        with self._read_lock:
+            row = self._reader.execute("SELECT value FROM meta WHERE key = ?",
+                                       (_NOTE + key,)).fetchone()
+        try:
+            return None if row is None else json.loads(row[0])
+        except ValueError:
+            return None
 
     def jobs(self, *, newest_ended: int | None = None) -> list[StoredJob]:
         """Jobs in submit order: every live one, and the newest ``newest_ended`` ended ones

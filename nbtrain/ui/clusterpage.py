@@ -5,6 +5,9 @@ wants to see why their job waits.
 - slots by host and NVLink domain, coloured by the job holding them;
 - every client's jobs: state, step, ranks, owner, team, priority, goodput, with a link to
   each job's page;
+- the cluster's goodput over time: the share of its online slot-time that trained
+  productively, against the share held (:mod:`nbtrain.ui.goodputplot`), when the controller
+  keeps the series;
 - fair share for a teacher: each team's share of slot-time over a recent window against the
   share its weight entitles it to (``snapshot()["teams"]``), and jobs per student;
 - the queue in the scheduler's order, with how long and why each job waits;
@@ -28,8 +31,10 @@ from bokeh.models.widgets.markups import Div
 from bokeh.models.widgets.tables import DataTable, HTMLTemplateFormatter, TableColumn
 
 from nbtrain.core.clusterevents import cluster_log_lines
+from nbtrain.core.clustergoodput import ClusterGoodputSeries
 from nbtrain.core.job import status_progress
 from nbtrain.core.teamshare import duration, jobs_per_student, team_shares, waiting_jobs
+from nbtrain.ui.goodputplot import GoodputPlot
 from nbtrain.ui.slots import fit_slot_figure, slot_columns, slot_figure
 
 __all__ = ["ALL_TEAMS", "ClusterPage"]
@@ -70,10 +75,12 @@ def team_facts(snap: Mapping[str, Any]) -> list[dict[str, Any]]:
 class ClusterPage:
     """Models of the class view; :meth:`refresh` redraws from a new snapshot.
     ``snapshot()`` returns what ``Cluster.snapshot()`` returns; ``job_link(job_id)`` the
-    URL of a job's page (relative to this one)."""
+    URL of a job's page (relative to this one); ``goodput`` the controller's goodput series
+    (None: no goodput plot)."""
 
     def __init__(self, snapshot: Callable[[], Mapping[str, Any]],
-                 job_link: Callable[[str], str], *, log_shown: int = 15) -> None:
+                 job_link: Callable[[str], str], *, log_shown: int = 15,
+                 goodput: ClusterGoodputSeries | None = None) -> None:
         self.snapshot = snapshot
         self.job_link = job_link
         self.log_shown = log_shown
@@ -129,7 +136,10 @@ class ClusterPage:
         self.log_team.on_change("value", lambda _a, _o, _n: self._draw_log())
         self.log = Div(text="", width=900, name="nbtrain-cluster-log")
         self._snap: Mapping[str, Any] = {}
-        self.layout = column(self.header, self.figure, self.teams_title, self.teams_table,
+        self.goodput = None if goodput is None else GoodputPlot(goodput)
+        self.layout = column(self.header, self.figure,
+                             *([self.goodput.figure] if self.goodput else []),
+                             self.teams_title, self.teams_table,
                              Div(text="<b>Jobs</b>"), self.jobs_table, self.queue,
                              Div(text="<b>Jobs per student</b>"), self.students_table,
                              self.log_team, self.log, name="nbtrain-class-view")
@@ -137,6 +147,8 @@ class ClusterPage:
         self.refresh()
 
     def refresh(self) -> None:
+        if self.goodput is not None:
+            self.goodput.update()  # (only when the series took a sample)
         snap = dict(self.snapshot())
         cols, jobs = slot_columns(snap)
         teams = team_facts(snap)

@@ -6,6 +6,10 @@ The page reads the job through a :class:`JobFeed` (rows and events after a posit
 status, the requests its viewer may make) and refreshes from a periodic callback of its
 document. It does not know where it runs: the controller's feed reads the job log in the
 scheduler's process; a test can feed it anything.
+
+A goodput-sized job's page also draws its fitted speedup curve with the current size on it
+(:mod:`nbtrain.ui.speedupplot`), from the status's ``speedup``; other jobs' pages have no
+such plot.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from nbtrain.ui.plots import (
     ThroughputPlot,
     feed_plots,
 )
+from nbtrain.ui.speedupplot import SpeedupPlot
 
 __all__ = ["CONTROLS", "JobFeed", "JobPage"]
 
@@ -94,6 +99,9 @@ class JobPage:
         controls = self._controls(status)
         #: Number inputs and sliders per declared knob: for the owner (or operator) only.
         self.knobs = KnobPanel(self._act) if feed.can_control else None
+        #: A goodput-sized job's speedup curve: made, and added under the plots, on the
+        #: first status that carries one (``status["speedup"]``); None for any other job.
+        self.speedup_plot: SpeedupPlot | None = None
         self.layout = column(
             self.header, controls, *([self.knobs.layout] if self.knobs else []),
             row(self.checkpoint, self.alerts), self.phase,
@@ -170,6 +178,16 @@ class JobPage:
         self._set(self.checkpoint, checkpoint_html(self.log))
         if self.buttons:
             self._update_controls(status)
+        self._draw_speedup(status)
+
+    def _draw_speedup(self, status: Mapping[str, Any]) -> None:
+        points = list(status.get("speedup") or ())
+        if not points and self.speedup_plot is None:
+            return
+        if self.speedup_plot is None:
+            self.speedup_plot = SpeedupPlot()
+            self.layout.children.append(self.speedup_plot.figure)
+        self.speedup_plot.update(points, int(status.get("size") or 0))
 
     @staticmethod
     def _set(div: Div, text: str) -> None:
