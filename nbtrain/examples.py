@@ -115,7 +115,9 @@ def digits_train(ctx: RankContext, config: dict[str, Any]) -> dict[str, float]:
 def elastic_digits_train(ctx: RankContext, config: dict[str, Any]) -> None:
     """``digits_train`` for elastic jobs: the same model and data at any world size, each
     step's sample ids recorded to ``config["ids_dir"]`` (when given) for
-    :func:`nbtrain.accounting.account`; ``step_sleep`` slows each step (to watch resizes)."""
+    :func:`nbtrain.accounting.account`; ``step_sleep`` slows each step (to watch resizes),
+    and with ``sleep_shared`` it stands for compute the ranks share: it divides by the world
+    size, so the job scales (to watch goodput sizing)."""
     import time
 
     from nbtrain.accounting import Indexed, SampleLog
@@ -130,7 +132,8 @@ def elastic_digits_train(ctx: RankContext, config: dict[str, Any]) -> None:
                                  num_workers=config.get("num_workers", 0)):
         if log is not None:
             log.record(ctx, ids)
-        time.sleep(config.get("step_sleep", 0.0))
+        time.sleep(config.get("step_sleep", 0.0)
+                   / (ctx.world_size if config.get("sleep_shared") else 1))
         loss = F.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
