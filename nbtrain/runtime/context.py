@@ -336,6 +336,5 @@ class RankContext:
             )
         batch = self._loader.next_batch()
         self.timer.grad_weight = self._loader.last_share
-        self.timer.global_batch = getattr(self._loader, "global_batch_size", None)
         return to_device(batch, self.device)
 

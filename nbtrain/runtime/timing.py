@@ -41,23 +41,7 @@ class PhaseTimer:
 
     def __init__(self) -> None:
         self.grad_weight: float | None = None
-        #: The step's global batch (samples), set by nbtrain's loader (None: another loader).
-        self.global_batch: int | None = None
-        #: Also sum the squared norms of this rank's local gradient and of the reduced one
-        #: (for the gradient noise scale, ``core.gradnoise``; rank 0 of a goodput-sized job).
-        self.grad_norms = False
-        self._local_sq: list[torch.Tensor] = []
-        self._global_sq: list[torch.Tensor] = []
         self.reset()
-
-    def take_grad_norms(self) -> tuple[float, float] | None:
-        """The squared norms of the local and the reduced gradient summed over the buckets
-        of the step just done, then cleared (None: none measured)."""
-        local, reduced = self._local_sq, self._global_sq
-        self._local_sq, self._global_sq = [], []
-        if not local or len(local) != len(reduced):
-            return None
-        return float(torch.stack(local).sum()), float(torch.stack(reduced).sum())
 
     def reset(self) -> None:
         self._last_hook = 0.0
@@ -103,19 +87,13 @@ def _timed_allreduce_hook(timer, bucket):  # type: ignore[no-untyped-def]
     timer._last_hook = time.perf_counter()
     group = dist.group.WORLD
     weight = timer.grad_weight
-    norms = timer.grad_norms
-    if norms:  # this rank's own gradient, before the reduction
-        timer._local_sq.append(bucket.buffer().detach().double().square().sum())
     buf = (bucket.buffer().mul_(weight) if weight is not None
            else bucket.buffer().div_(dist.get_world_size(group)))
     fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
 
     def _done(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         timer._last_done = time.perf_counter()
-        reduced = f.value()[0]
-        if norms:
-            timer._global_sq.append(reduced.detach().double().square().sum())
-        return reduced
+        return f.value()[0]
 
     return fut.then(_done)
 
