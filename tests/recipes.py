@@ -210,10 +210,11 @@ def elastic_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> None:
         for x, y, ids in ctx.batches(Indexed(regression_data(config["n"])),
                                      global_batch_size=config["batch"]):
             SampleLog(config["out_dir"]).record(ctx, ids)
-            # ``sleep_divides``: the sleep stands for compute the ranks share (it halves at
-            # twice the ranks: a job that scales); else every rank sleeps it whole.
+            # ``sleep_shared`` (as in ``nbtrain.examples.elastic_digits_train``): the sleep
+            # stands for compute the ranks share (it halves at twice the ranks: a job that
+            # scales); else every rank sleeps it whole.
             time.sleep(config.get("step_sleep", 0.0)
-                       / (ctx.world_size if config.get("sleep_divides") else 1))
+                       / (ctx.world_size if config.get("sleep_shared") else 1))
             loss = F.mse_loss(model(x), y)
             opt.zero_grad()
             loss.backward()

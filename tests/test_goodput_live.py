@@ -7,25 +7,15 @@ single-process SGD over the same global batches (the resizes resume exactly)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import nbtrain
-from nbtrain import JobState, Settings
+from nbtrain import Settings
 from nbtrain.accounting import account
 from tests.conftest import wait_for
 from tests.recipes import assert_params_equal, elastic_train, single_process_params
+from tests.test_elastic_live import _resizes, _stopped_at
 
 N, BATCH = 256, 16
-
-
-def _resizes(job: nbtrain.JobHandle) -> list[dict[str, Any]]:
-    return [e for e in job.events if e["kind"] == "resize" and e["phase"] == "requested"]
-
-
-def _stopped_at(job: nbtrain.JobHandle) -> int:
-    job.stop()
-    assert job.wait(180) is JobState.CANCELLED, job.reason
-    return int(job.reason.rsplit(" ", 1)[1])
 
 
 def test_the_job_that_scales_gets_the_slots_and_both_resume_exactly(tmp_path: Path) -> None:
@@ -33,11 +23,11 @@ def test_the_job_that_scales_gets_the_slots_and_both_resume_exactly(tmp_path: Pa
     settings = Settings.load(goodput_interval_s=4, resize_interval_s=4)
     with nbtrain.connect(n_workers=4, gpus=False, settings=settings) as cluster:
         jobs = {}
-        for name, divides, sleep in (("scales", True, 0.24), ("flat", False, 0.12)):
+        for name, shared, sleep in (("scales", True, 0.24), ("flat", False, 0.12)):
             out = tmp_path / name
             out.mkdir()
             config = {"n": N, "batch": BATCH, "out_dir": str(out), "step_sleep": sleep,
-                      "sleep_divides": divides}
+                      "sleep_shared": shared}
             jobs[name] = cluster.submit(elastic_train, world_size=1, min_size=1, max_size=3,
                                         sizing="goodput", steps=10**6, config=config,
                                         checkpoint=None, name=name)
@@ -54,7 +44,7 @@ def test_the_job_that_scales_gets_the_slots_and_both_resume_exactly(tmp_path: Pa
         sizes = {name: job.snapshot().size for name, job in jobs.items()}
         finals = {name: _stopped_at(job) for name, job in jobs.items()}
     for name, job in jobs.items():
-        moves = _resizes(job)
+        moves = _resizes(job, "requested")
         assert moves and all(e["reason"].startswith(("goodput:", "shrunk for"))
                              for e in moves), moves
         assert job.restarts == 0
@@ -64,5 +54,5 @@ def test_the_job_that_scales_gets_the_slots_and_both_resume_exactly(tmp_path: Pa
         assert_params_equal(tmp_path / name,
                             single_process_params(finals[name], batch=BATCH, n=N),
                             ranks=tuple(range(sizes[name])))
-    assert [e["new"] for e in _resizes(scales)][-1] == 3
-    assert [e["new"] for e in _resizes(flat)][-1] == 1
+    assert [e["new"] for e in _resizes(scales, "requested")][-1] == 3
+    assert [e["new"] for e in _resizes(flat, "requested")][-1] == 1

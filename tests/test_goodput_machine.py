@@ -11,11 +11,8 @@ from tests.test_lifecycle import Harness
 
 def _model_sizes(h: Harness, job_id: str) -> tuple[int, ...]:
     assert h.m.sched is not None
-    for pool in h.m.sched.pools.values():
-        model = pool.goodput_model(job_id)
-        if model is not None:
-            return model.sizes
-    return ()
+    model = h.m.sched.goodput_model(job_id)
+    return () if model is None else model.sizes
 
 
 def test_a_goodput_job_spec_is_validated_with_the_fix() -> None:

@@ -150,7 +150,7 @@ class DevicePools:
 
     def goodput_model(self, job_id: str) -> GoodputModel | None:
         """The goodput model of a goodput-sized job (``None`` for other jobs, or unknown)."""
-        pool = self.pools.get(self._kind.get(job_id, ""))
+        pool = self.pools.get(self.kind_of(job_id))
         return None if pool is None else pool.goodput_model(job_id)
 
     def kinds(self) -> list[str]:
