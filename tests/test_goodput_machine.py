@@ -61,3 +61,28 @@ def test_a_goodput_jobs_status_carries_its_curve_and_a_fixed_jobs_does_not() -> 
     assert all(p["confidence"] == 0.0 for p in points)
     assert h.m.status("f").speedup == ()
     assert h.m.status("g").to_dict()["speedup"][1]["size"] == 2.0
+
+
+def test_rank_zeros_noise_scale_reaches_the_status_and_the_model() -> None:
+    from nbtrain.core.machine_events import UnknownKind, rank_from_wire
+
+    h = Harness(workers=4)
+    h.submit("g", 2, min_size=1, max_size=4, sizing="goodput")
+    gen = h.launches("g")[-1].generation
+    h.steps("g", gen, 5, step_s=0.02)
+    assert h.m.status("g").noise_scale is None
+    for rank, value in ((0, 12.5), (1, 999.0)):  # rank 1's comes last and is ignored
+        h.feed(rank_from_wire, "g", {"kind": "gradnoise", "rank": rank, "generation": gen,
+                                     "step": 5, "noise_scale": value})
+    h.steps("g", gen, 10, step_s=0.02)
+    assert h.m.status("g").noise_scale == 12.5
+    assert h.m.sched is not None
+    model = h.m.sched.goodput_model("g")
+    assert model is not None and model.noise_scale == 12.5
+    assert h.events("g", "gradnoise") == []  # not in the job's log
+    for bad in (-1.0, float("nan"), "big", True):
+        with pytest.raises(ValueError, match="noise_scale as a finite number >= 0"):
+            rank_from_wire(0.0, 0.0, "g", {"kind": "gradnoise", "rank": 0, "generation": gen,
+                                           "noise_scale": bad})
+    with pytest.raises(UnknownKind):
+        rank_from_wire(0.0, 0.0, "g", {"kind": "gradnoisy", "rank": 0, "generation": gen})

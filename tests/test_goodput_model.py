@@ -134,11 +134,31 @@ def test_the_noise_scale_estimate_recovers_a_known_noise_scale(b_noise: float) -
         per_rank = g + rng.normal(0.0, sigma / np.sqrt(local), size=(ranks, dim))
         local_sq = float((per_rank**2).sum(axis=1).mean())
         reduced = per_rank.mean(axis=0)
-        est.observe(local_sq, float(reduced @ reduced), local, ranks)
+        est.observe(local_sq, float(reduced @ reduced), local, local * ranks)
     assert est.value == pytest.approx(b_noise, rel=0.15)
     single = NoiseScale()
-    single.observe(1.0, 1.0, 8, 1)
+    single.observe(1.0, 1.0, 8, 8)  # one rank: its batch is the whole batch
     assert single.value is None
+    with pytest.raises(ValueError, match="bad batch sizes"):
+        single.observe(1.0, 1.0, 9, 8)
+    with pytest.raises(ValueError, match="bad gradient-norm sample"):
+        single.observe(float("nan"), 1.0, 3, 8)
+
+
+def test_the_noise_scale_estimate_takes_an_uneven_split() -> None:
+    # Rank 0 holds 5 of a global batch of 8: its local norm is over 5 samples, not 4.
+    rng = np.random.default_rng(7)
+    dim, b_noise, local, big = 40, 32.0, 5, 8
+    g = rng.normal(size=dim)
+    sigma = np.sqrt(b_noise * float(g @ g) / dim)
+    est, wrong = NoiseScale(decay=0.999), NoiseScale(decay=0.999)
+    for _ in range(4000):
+        samples = g + rng.normal(0.0, sigma, size=(big, dim))
+        mine, whole = samples[:local].mean(axis=0), samples.mean(axis=0)
+        est.observe(float(mine @ mine), float(whole @ whole), local, big)
+        wrong.observe(float(mine @ mine), float(whole @ whole), big / 2, big)
+    assert est.value == pytest.approx(b_noise, rel=0.15)
+    assert wrong.value is not None and abs(wrong.value - b_noise) > 0.3 * b_noise
 
 
 def test_points_cover_the_multiples_of_the_replica_in_the_bounds() -> None:

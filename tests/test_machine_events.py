@@ -110,7 +110,7 @@ def test_every_rank_kind_but_output_reads_into_its_own_event() -> None:
         9, ({"seq": 1},))
     machine_kinds = {"steps", "phase", "device", "rank_started", "checkpoint",
                      "fault_injected", "knobs", "knob_applied", "rank_failed",
-                     "rank_finished", "data", "memory"}
+                     "rank_finished", "data", "memory", "gradnoise"}
     assert machine_kinds == set(RANK_KINDS) - {"log"}
     for kind in machine_kinds - {"steps", "phase", "rank_started", "checkpoint",
                                  "fault_injected"}:
@@ -182,5 +182,5 @@ def test_an_unknown_rank_message_kind_is_ignored_with_a_reason_and_the_job_goes_
     assert [n["reason"] for n in notes] == [
         "unknown rank message kind 'telemetry'; one of steps, phase, device, rank_started, "
         "checkpoint, fault_injected, knobs, knob_applied, rank_failed, rank_finished, data, "
-        "memory: ignored"]
+        "memory, gradnoise: ignored"]
     assert not any(e["kind"] == "telemetry" for e in job.events)

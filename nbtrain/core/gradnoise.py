@@ -3,8 +3,9 @@
 The gradient noise scale ``B_noise = tr(Sigma) / |G|**2`` (McCandlish et al., "An Empirical
 Model of Large-Batch Training", 2018) is the batch size beyond which a larger batch mostly
 averages away noise instead of making progress. It is cheap to estimate at every step of a
-data-parallel job (their appendix A.1): each rank's local gradient (batch ``b_small``) and the
-all-reduced gradient (batch ``b_big = n * b_small``) give two unbiased estimates,
+data-parallel job (their appendix A.1): each rank's local gradient (batch ``b_small``) and
+the all-reduced gradient (batch ``b_big``, ``n * b_small`` on an even split) give two
+unbiased estimates,
 
     |G|**2   ~ (b_big * |g_big|**2 - b_small * |g_small|**2) / (b_big - b_small)
     tr(Sigma) ~ (|g_small|**2 - |g_big|**2) / (1 / b_small - 1 / b_big)
@@ -57,17 +58,20 @@ class NoiseScale:
             raise ValueError(f"decay must be in [0, 1), got {self.decay!r}")
 
     def observe(self, local_sq_norm: float, global_sq_norm: float, local_batch: float,
-                n_ranks: int) -> None:
-        """One step: the mean over ranks of local squared gradient norms, the squared norm
-        of the reduced gradient, the per-rank batch and the number of ranks (>= 2: a single
-        rank cannot tell noise from signal, and its step is ignored)."""
-        if n_ranks < 2:
-            return
-        if not (local_batch > 0 and math.isfinite(local_sq_norm)
-                and math.isfinite(global_sq_norm)):
+                global_batch: float) -> None:
+        """One step: the squared norm of a local gradient (or the mean over ranks of them),
+        that of the reduced gradient, and the batches they were taken over (samples). A step
+        whose local batch is the whole batch (a single rank) cannot tell noise from signal
+        and is ignored."""
+        if not 0 < local_batch < global_batch:
+            if 0 < local_batch == global_batch:
+                return
+            raise ValueError(f"bad batch sizes: local_batch={local_batch!r} must be > 0 and "
+                             f"<= global_batch={global_batch!r}")
+        if not (math.isfinite(local_sq_norm) and math.isfinite(global_sq_norm)):
             raise ValueError(f"bad gradient-norm sample: local={local_sq_norm!r}, "
-                             f"global={global_sq_norm!r}, local_batch={local_batch!r}")
-        small, big = local_batch, local_batch * n_ranks
+                             f"global={global_sq_norm!r}")
+        small, big = local_batch, global_batch
         g2 = (big * global_sq_norm - small * local_sq_norm) / (big - small)
         s = (local_sq_norm - global_sq_norm) / (1.0 / small - 1.0 / big)
         self._g2 = self.decay * self._g2 + (1.0 - self.decay) * g2

@@ -53,9 +53,11 @@ __all__ = [
 
 #: Kinds the rank runtime emits (``steps`` carries step rows, see ``core.records``; ``device``
 #: a GPU's NVML readings, kept for straggler verdicts and not logged; ``memory`` a rank's
-#: parameter, gradient and optimizer-state bytes after a generation's first step).
+#: parameter, gradient and optimizer-state bytes after a generation's first step;
+#: ``gradnoise`` rank 0's gradient noise scale estimate, for goodput sizing, not logged).
 RANK_KINDS = ("steps", "device", "rank_started", "checkpoint", "fault_injected", "rank_failed",
-              "rank_finished", "log", "data", "phase", "memory", "knobs", "knob_applied")
+              "rank_finished", "log", "data", "phase", "memory", "knobs", "knob_applied",
+              "gradnoise")
 #: Kinds the job machine emits.
 CONTROLLER_KINDS = ("state", "fault", "recovery", "preemption", "straggler", "mitigation",
                     "nonfinite", "resize", "slow", "uncommitted", "knob_set")

@@ -123,6 +123,8 @@ class JobStatus:
     #: A goodput-sized job's fitted speedup curve, one point per size it may run at
     #: (``GoodputModel.points``); empty for other jobs.
     speedup: tuple[dict[str, Any], ...] = ()
+    #: A goodput-sized job's gradient noise scale (samples), as rank 0 last estimated it.
+    noise_scale: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
@@ -198,6 +200,8 @@ class LiveJob:
         self.started: float | None = None
         self.ended: float | None = None
         self.restarts: list[float] = []
+        #: Rank 0's latest gradient noise scale (a goodput-sized job's; None: none sent).
+        self.noise_scale: float | None = None
         self.fault_log: list[dict[str, Any]] = []
         self.planned: list[Fault] = list(sub.faults)
         self.fired: set[str] = set()
@@ -306,6 +310,7 @@ class LiveJob:
             size=self.gen.size if self.gen is not None and self.state.holds_slots else 0,
             min_size=self.spec.bounds[0], max_size=self.spec.bounds[1],
             target_size=self.plan.target, resize_note=self.plan.note, knob_seq=self.knobs.seq,
+            noise_scale=self.noise_scale,
             waiting_s=(self.ledger.in_phase_s(now) if self.state is JobState.QUEUED
                        and self.ledger.phase == "queued" else 0.0),
         )

@@ -14,6 +14,7 @@ detector settings) is still judged by their owners inside the machine, which ref
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -34,6 +35,7 @@ __all__ = [
     "RankFailed",
     "RankFaultInjected",
     "RankFinished",
+    "RankGradNoise",
     "RankKnobApplied",
     "RankKnobs",
     "RankMemory",
@@ -308,9 +310,19 @@ class RankMemory(RankEvent):
     kind: ClassVar[str] = "memory"
 
 
+@dataclass(frozen=True, kw_only=True)
+class RankGradNoise(RankEvent):
+    """Rank 0's smoothed gradient noise scale (samples; None: no estimate yet), for goodput
+    sizing (``core.gradnoise``; not logged)."""
+
+    kind: ClassVar[str] = "gradnoise"
+    noise_scale: float | None = None
+
+
 _RANK_TYPES: dict[str, type[RankEvent]] = {t.kind: t for t in (
     RankSteps, RankPhase, RankDevice, RankStarted, RankCheckpoint, RankFaultInjected,
-    RankKnobs, RankKnobApplied, RankFailed, RankFinished, RankData, RankMemory)}
+    RankKnobs, RankKnobApplied, RankFailed, RankFinished, RankData, RankMemory,
+    RankGradNoise)}
 
 
 def rank_from_wire(now: float, wall: float, job_id: str, msg: Mapping[str, Any]) -> RankEvent:
@@ -396,6 +408,17 @@ def _knob_applied(msg: Mapping[str, Any]) -> dict[str, Any]:
             "changes": tuple(changes) if isinstance(changes, list | tuple) else ()}
 
 
+def _gradnoise(msg: Mapping[str, Any]) -> dict[str, Any]:
+    value = msg.get("noise_scale")
+    if value is None:
+        return {"noise_scale": None}
+    if (not isinstance(value, int | float) or isinstance(value, bool)
+            or not math.isfinite(value) or value < 0):
+        raise ValueError(f"a rank's gradnoise message needs noise_scale as a finite number "
+                         f">= 0 (or None), got {value!r}")
+    return {"noise_scale": float(value)}
+
+
 _FIELDS = {RankSteps: _steps, RankPhase: _phase, RankDevice: _device, RankStarted: _started,
            RankCheckpoint: _checkpoint, RankFaultInjected: _fault_injected, RankKnobs: _knobs,
-           RankKnobApplied: _knob_applied}
+           RankKnobApplied: _knob_applied, RankGradNoise: _gradnoise}

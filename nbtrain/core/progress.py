@@ -24,6 +24,7 @@ from nbtrain.core.machine_events import (
     RankDevice,
     RankEvent,
     RankFaultInjected,
+    RankGradNoise,
     RankKnobApplied,
     RankKnobs,
     RankPhase,
@@ -57,6 +58,10 @@ def message(job: LiveJob, ev: RankEvent, now: float, out: Outbox) -> After:
     gen = job.gen if job.gen is not None and ev.generation == job.gen.number else None
     if isinstance(ev, RankSteps | RankPhase | RankDevice):
         return After.NOTHING if gen is None else _progress(job, gen, ev, now, out)
+    if isinstance(ev, RankGradNoise):  # goes to the scheduler with the next step times
+        if gen is not None and ev.rank == 0:
+            job.noise_scale = ev.noise_scale
+        return After.NOTHING
     out.publish(job, ev.logged())
     handler = _REPORTS.get(type(ev))
     return After.NOTHING if handler is None else handler(job, gen, ev, now, out)
@@ -72,7 +77,8 @@ def step_times(job: LiveJob, ev: RankEvent, now: float) -> StepTimes | None:
     times = [float(row[_STEP_S]) for row in ev.rows if float(row[_STEP_S]) > 0]
     if not times:
         return None
-    return StepTimes(now, job.id, gen.size, sum(times) / len(times), float(len(times)))
+    return StepTimes(now, job.id, gen.size, sum(times) / len(times), float(len(times)),
+                     noise_scale=job.noise_scale)
 
 
 _STEP_S = ROW_COLUMNS.index("step_s")

@@ -88,6 +88,8 @@ class ShardedLoader:
         self.position = DataPosition()
         #: This rank's share of the last global batch, see :func:`batch_share`.
         self.last_share: float | None = None
+        #: (this rank's samples, the global batch's) of the last batch.
+        self.last_sizes: tuple[int, int] | None = None
         self._orders: dict[int, np.ndarray] = {}
         self._prefetch: Iterator[Any] | None = None
 
@@ -110,6 +112,7 @@ class ShardedLoader:
         """This rank's sample indices for the next step; advances the global position."""
         mine, size, self.position = self._at(self.position)
         self.last_share = batch_share(len(mine), size, self.world_size)
+        self.last_sizes = (len(mine), size)
         return mine
 
     def next_batch(self) -> Any:

@@ -39,6 +39,7 @@ from nbtrain.runtime.function import TrainFunction
 from nbtrain.runtime.launch import RankLaunch
 from nbtrain.runtime.memory import state_memory
 from nbtrain.runtime.mesh import build_device_mesh, default_plan
+from nbtrain.runtime.noiseprobe import NoiseProbe
 from nbtrain.runtime.nvml import monitor_device
 from nbtrain.runtime.output import OutputForwarder
 from nbtrain.runtime.recipe import Recipe
@@ -105,6 +106,9 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
                           halt_on_nonfinite=launch.halt_on_nonfinite)
         stepper.memory_probe = lambda: _memory(ctx)
         stepper.knobs, stepper.is_main = ctx.knobs, launch.rank == 0
+        if (launch.rank == 0 and launch.world_size >= 2
+                and (launch.job_info or {}).get("sizing") == "goodput"):
+            stepper.noise = NoiseProbe(ctx.timer, emitter)
         if ckpt is not None:
             ckpt.meta_hook = lambda: {"knobs": ctx.knobs.checkpoint_meta()}
             # The interval of step-based checkpoints as a live knob (0: none by steps).

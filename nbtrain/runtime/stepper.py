@@ -27,6 +27,7 @@ from nbtrain.runtime.control import ControlChannel
 from nbtrain.runtime.events import EventEmitter
 from nbtrain.runtime.faults import FaultInjector
 from nbtrain.runtime.knobs import RankKnobs
+from nbtrain.runtime.noiseprobe import NoiseProbe
 from nbtrain.runtime.timing import PhaseTimer
 
 __all__ = ["KILL_NOTICE_S", "Stepper"]
@@ -68,6 +69,8 @@ class Stepper:
         #: their changes (rank 0).
         self.knobs: RankKnobs | None = None
         self.is_main = False
+        #: Rank 0 of a goodput-sized job: the gradient noise scale from each step's norms.
+        self.noise: NoiseProbe | None = None
 
     def start(self, step: int) -> None:
         """The loop starts at ``step`` (0, or the restored checkpoint's step)."""
@@ -146,6 +149,8 @@ class Stepper:
         if metrics:
             row.append({k: float(v) for k, v in metrics.items()})
         self.emitter.step(row)
+        if self.noise is not None:
+            self.noise.after_step(step)
         if self.memory_probe is not None:
             probe, self.memory_probe = self.memory_probe, None
             try:

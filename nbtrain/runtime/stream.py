@@ -42,6 +42,8 @@ class StreamLoader:
         self.collate_fn = collate_fn or _default_collate
         self.position = DataPosition()
         self.last_share: float | None = None
+        #: (this rank's samples, the global batch's) of the last batch.
+        self.last_sizes: tuple[int, int] | None = None
         self._it: Iterator[Any] | None = None
 
     def _open(self) -> Iterator[Any]:
@@ -72,6 +74,7 @@ class StreamLoader:
                 n = len(batch)
                 lo, hi = n * self.rank // self.world_size, n * (self.rank + 1) // self.world_size
                 self.last_share = batch_share(hi - lo, n, self.world_size)
+                self.last_sizes = (hi - lo, n)
                 return self.collate_fn(batch[lo:hi])
             if self.position.cursor == 0 and not batch:
                 raise ValueError("the dataset is empty: an iterable dataset must give samples")

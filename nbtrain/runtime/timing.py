@@ -41,7 +41,27 @@ class PhaseTimer:
 
     def __init__(self) -> None:
         self.grad_weight: float | None = None
+        #: (this rank's samples, the global batch's) of the step, set by nbtrain's loaders
+        #: (None: another loader).
+        self.batch_sizes: tuple[int, int] | None = None
+        #: Also measure the squared norms of this rank's local gradient and of the reduced
+        #: one (for the gradient noise scale, ``core.gradnoise``; rank 0 of a goodput-sized
+        #: job). They stay tensors on the gradients' device: nothing here waits for them.
+        self.grad_norms = False
+        self._local_sq: list[torch.Tensor] = []
+        self._global_sq: list[torch.Tensor] = []
         self.reset()
+
+    def take_grad_norms(self) -> torch.Tensor | None:
+        """The squared norms of the local and the reduced gradient of the step just done,
+        summed over its buckets (a float64 tensor of two on the gradients' device; reading it
+        waits for the step's work), then cleared. None: none measured, or a step whose
+        reductions did not all complete."""
+        local, reduced = self._local_sq, self._global_sq
+        self._local_sq, self._global_sq = [], []
+        if not local or len(local) != len(reduced):
+            return None
+        return torch.stack([torch.stack(local).sum(), torch.stack(reduced).sum()])
 
     def reset(self) -> None:
         self._last_hook = 0.0
@@ -87,15 +107,26 @@ def _timed_allreduce_hook(timer, bucket):  # type: ignore[no-untyped-def]
     timer._last_hook = time.perf_counter()
     group = dist.group.WORLD
     weight = timer.grad_weight
+    norms = timer.grad_norms
+    if norms:  # this rank's own gradient, before the reduction
+        timer._local_sq.append(_sq_norm(bucket.buffer()))
     buf = (bucket.buffer().mul_(weight) if weight is not None
            else bucket.buffer().div_(dist.get_world_size(group)))
     fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
 
     def _done(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         timer._last_done = time.perf_counter()
-        return f.value()[0]
+        reduced = f.value()[0]
+        if norms:
+            timer._global_sq.append(_sq_norm(reduced))
+        return reduced
 
     return fut.then(_done)
+
+
+def _sq_norm(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's squared norm, computed in float64 (a bf16 or float32 bucket's too)."""
+    return torch.linalg.vector_norm(t.detach(), dtype=torch.float64).square()
 
 
 class _Alloc:
