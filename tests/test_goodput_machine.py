@@ -86,3 +86,16 @@ def test_rank_zeros_noise_scale_reaches_the_status_and_the_model() -> None:
                                            "noise_scale": bad})
     with pytest.raises(UnknownKind):
         rank_from_wire(0.0, 0.0, "g", {"kind": "gradnoisy", "rank": 0, "generation": gen})
+
+
+def test_a_generations_first_steps_are_not_timed_for_its_curve() -> None:
+    from nbtrain.core.progress import WARMUP_STEPS
+
+    h = Harness(workers=4)
+    h.submit("g", 2, min_size=1, max_size=4, sizing="goodput")
+    gen = h.launches("g")[-1].generation
+    h.steps("g", gen, WARMUP_STEPS, step_s=1.5)  # warm-up: slow, and not timed
+    assert _model_sizes(h, "g") == ()
+    h.steps("g", gen, WARMUP_STEPS + 4, step_s=0.02)
+    [measured] = [p for p in h.m.status("g").speedup if "step_s" in p]
+    assert measured["step_s"] == pytest.approx(0.02) and measured["steps"] == 4

@@ -61,6 +61,7 @@ class Generation:
     released: bool = False  # peers freed (failed ranks' workers restarted, or NCCL aborted)
     forced: bool = False  # preemption grace ran out: ranks stopped without their checkpoint
     nonfinite: set[str] = field(default_factory=set)  # metrics already reported non-finite
+    timed_rows: int = 0  # rank 0's step rows goodput sizing has seen (it skips the first)
 
     @property
     def size(self) -> int:

@@ -37,7 +37,7 @@ from nbtrain.core.records import ROW_COLUMNS
 from nbtrain.core.sched_types import StepTimes
 from nbtrain.core.stragglerwatch import mitigation_event
 
-__all__ = ["METRICS_AT", "After", "message", "mitigate", "step_times"]
+__all__ = ["METRICS_AT", "WARMUP_STEPS", "After", "message", "mitigate", "step_times"]
 
 #: Position of the metrics dict in a rank's step row.
 METRICS_AT = len(ROW_COLUMNS)
@@ -67,14 +67,23 @@ def message(job: LiveJob, ev: RankEvent, now: float, out: Outbox) -> After:
     return After.NOTHING if handler is None else handler(job, gen, ev, now, out)
 
 
+#: Rank 0's first step rows of each generation that goodput sizing does not time: a
+#: generation's first steps pay for warm-up (allocator, autograd graph, DDP buckets, a
+#: restored checkpoint's pages), which would make the size it runs at look slower than it is.
+WARMUP_STEPS = 2
+
+
 def step_times(job: LiveJob, ev: RankEvent, now: float) -> StepTimes | None:
     """Rank 0's step rows of a goodput-sized job's current generation as the scheduler's
-    ``StepTimes`` (their mean step time at the generation's size); None for other jobs."""
+    ``StepTimes`` (their mean step time at the generation's size), past the generation's
+    first ``WARMUP_STEPS`` rows; None for other jobs and for rows all within the warm-up."""
     gen = job.gen
     if (job.spec.sizing != "goodput" or not isinstance(ev, RankSteps) or ev.rank != 0
             or gen is None or ev.generation != gen.number):
         return None
-    times = [float(row[_STEP_S]) for row in ev.rows if float(row[_STEP_S]) > 0]
+    skip = max(0, WARMUP_STEPS - gen.timed_rows)
+    gen.timed_rows += len(ev.rows)
+    times = [float(row[_STEP_S]) for row in ev.rows[skip:] if float(row[_STEP_S]) > 0]
     if not times:
         return None
     return StepTimes(now, job.id, gen.size, sum(times) / len(times), float(len(times)),
