@@ -25,9 +25,10 @@ its fastest size in its bounds from its submission, with no wait, on a cluster w
 limit, and fixed jobs (a third of the peer's summed JCT: one-replica jobs cannot be resized)
 at their duration, over the peer's mean JCT. ``gain_share_of_bound`` is the part of that
 largest possible gain (``1 - bound``) the goodput policy took. The peer is elastic too and
-never leaves a job waiting on this trace (shrinking for arrivals keeps everyone running), so
-the bound sits near 0.69: the issue's 0.7 (set from Pollux's gains over non-elastic
-schedulers) asks for nearly all of it on a cluster that is full.
+rarely leaves a job waiting (shrinking for arrivals keeps everyone running), so the bound is
+0.687 on ``--quick`` and 0.625 on the full trace (2026-12-03): the issue's 0.7, set from
+Pollux's gains over schedulers that do not resize, asks for all of the possible gain on the
+quick trace and 80% of it on the full one, on a cluster that is full.
 
 Run: ``python benchmarks/goodput.py --quick`` (a reduced trace, 1,500 jobs: under half a
 minute on two cores) or without ``--quick`` (4,000 jobs, about a minute and a half).
