@@ -233,3 +233,20 @@ def test_fair_share_holds_with_goodput_sized_jobs_in_every_team(seed: int) -> No
     for team, w in weights.items():
         target = w / total_w
         assert abs(shares[team] - target) <= 0.05 * target, (team, shares[team], target)
+
+
+def test_step_times_that_grow_with_the_size_never_break_the_pass() -> None:
+    # Measured at 2 and 4 ranks only, slower at 4: communication alone (d * (n - 1)) fits
+    # them exactly and predicts a step of no time at one rank, a division by zero wherever
+    # the pass asks for the speedup at one rank (here: whom to shrink for a blocked job).
+    s = Scheduler(TOPO, CFG)
+    _run(s, Submit(0.0, _gp("comm", 4, min_size=1, max_size=8)))
+    _run(s, StepTimes(10.0, "comm", 4, 0.3, 50.0))
+    _run(s, StepTimes(10.0, "comm", 2, 0.1, 50.0))
+    model = s.goodput_model("comm")
+    assert model is not None and model.curve() is not None
+    assert 0 < model.speedup(1) < float("inf")
+    assert model.confidence(1) < CFG.goodput_min_confidence  # such a curve is not acted on
+    ds = _run(s, Submit(400.0, JobRequest(job_id="big", size=14)))
+    assert {d.job_id: d.placement.world_size for d in ds
+            if isinstance(d, ResizeJob | StartJob)} == {"comm": 2, "big": 14}

@@ -24,7 +24,11 @@ Fitting: least squares on the *relative* error of the mean step time at each siz
 weighted by how many steps each mean holds, with every coefficient kept >= 0 (exact: each
 subset of coefficients is solved and the best non-negative one kept; there are at most 15).
 A fit never has more free coefficients than distinct sizes measured, so two sizes give a
-two-coefficient curve rather than an arbitrary one.
+two-coefficient curve rather than an arbitrary one. A fit must predict a step of more than
+no time at one rank (``a + b * m(1)`` above a millionth of the fastest mean): communication
+terms alone (measured at 2 and 4 ranks with the step time growing, ``d * (n - 1)`` fits
+exactly) would predict infinite speed there. Data only such a curve explains get the best
+physical fit instead, whose large residual leaves the curve untrusted (``confidence``).
 """
 
 from __future__ import annotations
@@ -118,14 +122,20 @@ def fit_step_time(stats: Iterable[tuple[int, SizeStats]], *, global_batch: float
     x = _columns(sizes, global_batch, per_rank_batch) * w[:, None]
     y = t * w
     k = min(len(rows), 4)
+    # What each coefficient adds at one rank, and the least step time a fit must predict
+    # there (a rounding error's worth above 0 is no step time at all).
+    at_one = _columns(np.ones(1), global_batch, per_rank_batch)[0]
+    floor = 1e-6 * float(t.min())
     best: tuple[float, int, FloatArray] | None = None
     for n_cols in range(1, k + 1):
         for cols in itertools.combinations(range(4), n_cols):
+            if 0 not in cols and 1 not in cols:
+                continue  # no time at one rank: every step computes something
             sub = x[:, cols]
             if np.linalg.matrix_rank(sub) < n_cols:
                 continue  # collinear on these sizes (e.g. a and c when every n > 1)
             coef, *_ = np.linalg.lstsq(sub, y, rcond=None)
-            if (coef < 0).any():
+            if (coef < 0).any() or float(at_one[list(cols)] @ coef) <= floor:
                 continue
             resid = float(((sub @ coef - y) ** 2).sum())
             # fewer coefficients win ties (within rounding): never fit more than needed
