@@ -99,3 +99,20 @@ def test_a_generations_first_steps_are_not_timed_for_its_curve() -> None:
     h.steps("g", gen, WARMUP_STEPS + 4, step_s=0.02)
     [measured] = [p for p in h.m.status("g").speedup if "step_s" in p]
     assert measured["step_s"] == pytest.approx(0.02) and measured["steps"] == 4
+
+
+def test_step_times_that_are_not_finite_stay_out_of_the_curve() -> None:
+    import math
+
+    from nbtrain.core.machine_events import rank_from_wire
+
+    h = Harness(workers=4)
+    h.submit("g", 2, min_size=1, max_size=4, sizing="goodput")
+    gen = h.launches("g")[-1].generation
+    h.steps("g", gen, 4, step_s=0.02)
+    rows = [[s, 1e9 + h.t, t, 0.0, 0.0, 0.0, 0.0]
+            for s, t in ((5, math.inf), (6, math.nan), (7, 0.02))]
+    h.feed(rank_from_wire, "g", {"kind": "steps", "rank": 0, "generation": gen, "rows": rows})
+    assert h.state("g") == "RUNNING"
+    [measured] = [p for p in h.m.status("g").speedup if "step_s" in p]
+    assert measured["step_s"] == pytest.approx(0.02) and measured["steps"] == 3

@@ -83,7 +83,8 @@ def step_times(job: LiveJob, ev: RankEvent, now: float) -> StepTimes | None:
         return None
     skip = max(0, WARMUP_STEPS - gen.timed_rows)
     gen.timed_rows += len(ev.rows)
-    times = [float(row[_STEP_S]) for row in ev.rows[skip:] if float(row[_STEP_S]) > 0]
+    times = [t for t in (float(row[_STEP_S]) for row in ev.rows[skip:])
+             if t > 0 and math.isfinite(t)]
     if not times:
         return None
     return StepTimes(now, job.id, gen.size, sum(times) / len(times), float(len(times)),
