@@ -46,7 +46,7 @@ from nbtrain.engine.tokens import TokenStore
 from nbtrain.engine.topoview import TopologyView
 from nbtrain.engine.trackers import Tracker, TrackerSpec, split_trackers
 from nbtrain.engine.wire import plain, submission_to_wire
-from nbtrain.engine.workers import NbtrainNanny, NbtrainWorker
+from nbtrain.engine.workers import QUIET_TICK_MS, NbtrainNanny, NbtrainWorker
 from nbtrain.runtime.function import TrainFunction
 from nbtrain.runtime.script_work import ScriptWork, load_script
 
@@ -54,12 +54,14 @@ __all__ = ["QUIET_WORKER_CONFIG", "Cluster", "connect", "default_worker_count"]
 
 #: Dask settings for embedded rank workers, applied before they start (the worker plugin
 #: quiets the profiler and monitors of any cluster's workers after they start; the GIL
-#: monitor can only be turned off before).
+#: monitor can only be turned off before). The tick period also reaches the embedded
+#: scheduler and nannies, which share this process's event loop with the controller.
 QUIET_WORKER_CONFIG = {
     "distributed.worker.profile.enabled": False,
     "distributed.admin.system-monitor.interval": "2s",
     "distributed.admin.system-monitor.gil.enabled": False,
     "distributed.worker.memory.monitor-interval": "1s",
+    "distributed.admin.tick.interval": f"{QUIET_TICK_MS}ms",
 }
 
 

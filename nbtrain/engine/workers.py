@@ -46,6 +46,11 @@ QUIET_PROFILE_MS = 86_400_000
 QUIET_MONITOR_MS = 2000
 #: Period of Dask's memory monitor on quiet workers (Dask's default is 0.1 s).
 QUIET_MEMORY_MONITOR_MS = 1000
+#: Period of Dask's event-loop tick on quiet workers (Dask's default is 20 ms). The tick only
+#: measures how late the loop runs (a log line past ``distributed.admin.tick.limit``, 3 s);
+#: at 20 ms it wakes the worker's loop thread 50 times a second, and in a rank's process
+#: every wake-up asks the training thread for the GIL.
+QUIET_TICK_MS = 1000
 #: glibc malloc on quiet workers: blocks up to this size come from the heap and are reused
 #: (glibc's own dynamic threshold grows to this too, unless MALLOC_TRIM_THRESHOLD_ is set)...
 MALLOC_MMAP_THRESHOLD = 32 << 20
@@ -153,7 +158,7 @@ def _on_sigterm(close: Any) -> bool:
 
 
 def quiet(worker: Any) -> None:
-    """Slow Dask's profiler and monitors down on ``worker``.
+    """Slow Dask's profiler, monitors and event-loop tick down on ``worker``.
 
     A worker that joins after the plugin was registered sets plugins up *before* it starts
     its periodic callbacks, so stopping them here would be undone; changing their period is
@@ -161,7 +166,7 @@ def quiet(worker: Any) -> None:
     """
     callbacks = getattr(worker, "periodic_callbacks", {})
     for name, ms in (("profile", QUIET_PROFILE_MS), ("profile-cycle", QUIET_PROFILE_MS),
-                     ("monitor", QUIET_MONITOR_MS),
+                     ("monitor", QUIET_MONITOR_MS), ("tick", QUIET_TICK_MS),
                      ("memory_monitor", QUIET_MEMORY_MONITOR_MS)):
         pc = callbacks.get(name)
         if pc is not None and pc.callback_time < ms:
