@@ -129,8 +129,6 @@ def fit_step_time(stats: Iterable[tuple[int, SizeStats]], *, global_batch: float
     best: tuple[float, int, FloatArray] | None = None
     for n_cols in range(1, k + 1):
         for cols in itertools.combinations(range(4), n_cols):
-            if 0 not in cols and 1 not in cols:
-                continue  # no time at one rank: every step computes something
             sub = x[:, cols]
             if np.linalg.matrix_rank(sub) < n_cols:
                 continue  # collinear on these sizes (e.g. a and c when every n > 1)

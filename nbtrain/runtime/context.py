@@ -336,6 +336,6 @@ class RankContext:
             )
         batch = self._loader.next_batch()
         self.timer.grad_weight = self._loader.last_share
-        self.timer.batch_sizes = getattr(self._loader, "last_sizes", None)
+        self.timer.batch_sizes = self._loader.last_sizes
         return to_device(batch, self.device)
 

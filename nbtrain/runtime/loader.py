@@ -32,6 +32,7 @@ class PositionedLoader(Protocol):
     """A loader whose global data position travels with checkpoints."""
 
     last_share: float | None
+    last_sizes: tuple[int, int] | None
 
     def next_batch(self) -> Any: ...
     def state_dict(self) -> dict[str, int]: ...
