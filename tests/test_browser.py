@@ -145,6 +145,11 @@ def lab(tmp_path_factory: pytest.TempPathFactory,
     # no news/update toasts over the page in screenshots (and no network lookups)
     (settings / "notification.jupyterlab-settings").write_text(
         json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+    # every cell attached and laid out: with the default ("contentVisibility"), Chromium 156
+    # never found the job page's buttons inside the cell's iframe "stable" to click
+    notebook = base / "settings" / "@jupyterlab" / "notebook-extension"
+    notebook.mkdir(parents=True)
+    (notebook / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
                                  "language": "python"}
@@ -194,21 +199,86 @@ def test_served_pages_in_jupyterlab(lab: dict[str, Any]) -> None:
 
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as p:
+        # Another user is another browser. With Chromium 156 (new headless), a second
+        # context in the owner's browser left the owner's page unreachable to Playwright
+        # after the guest's page loaded (role lookups and screenshots hung; three runs of
+        # three), while each page itself kept rendering.
         browser = p.chromium.launch(executable_path=chromium(), args=CHROMIUM_ARGS)
-        owner = browser.new_page(viewport={"width": 1400, "height": 1500})
-        guest = browser.new_context(viewport={"width": 1400, "height": 1200}).new_page()
+        other = p.chromium.launch(executable_path=chromium(), args=CHROMIUM_ARGS)
+        owner = browser.new_context(viewport={"width": 1400, "height": 1500}).new_page()
+        guest = other.new_page(viewport={"width": 1400, "height": 1200})
         errors: list[str] = []
         for page in (owner, guest):
             page.on("pageerror", lambda exc: errors.append(str(exc)))
         try:
             _drive(owner, guest, lab)
         except BaseException:
-            owner.screenshot(path=str(ARTIFACTS / "browser-failure.png"), full_page=True)
-            guest.screenshot(path=str(ARTIFACTS / "browser-failure-guest.png"), full_page=True)
+            _failure_shots(owner, guest)
             raise
         finally:
             browser.close()
+            other.close()
         assert not [e for e in errors if "bokeh" in e.lower()], errors
+
+
+#: The label or text of every Bokeh model on a page (buttons, divs), for failure reports.
+BOKEH_TEXTS_JS = """() => {
+  if (!window.Bokeh) return null;
+  const out = [];
+  for (const view of Bokeh.index) {
+    for (const m of view.model.document.all_models) {
+      const t = m.label !== undefined ? m.label : m.text;
+      if (t !== undefined) out.push([m.type, String(t).slice(0, 300),
+                                     m.visible === false ? 'hidden' : '']);
+    }
+  }
+  return out;
+}"""
+
+
+#: Whether a frame renders: its visibility, animation frames in 1 s, its buttons' boxes.
+RENDERING_JS = """async () => {
+  let frames = 0;
+  const tick = () => { frames++; requestAnimationFrame(tick); };
+  requestAnimationFrame(tick);
+  await new Promise(r => setTimeout(r, 1000));
+  const boxes = [];
+  const walk = (root) => {
+    for (const el of root.querySelectorAll('*')) {
+      if (el.tagName === 'BUTTON') {
+        const r = el.getBoundingClientRect();
+        boxes.push([el.textContent.trim().slice(0, 20), Math.round(r.x), Math.round(r.y),
+                    Math.round(r.width), Math.round(r.height)]);
+      }
+      if (el.shadowRoot) walk(el.shadowRoot);
+    }
+  };
+  walk(document);
+  return {visibility: document.visibilityState, animation_frames: frames,
+          fonts: document.fonts.status, buttons: boxes.slice(0, 12),
+          inner: [window.innerWidth, window.innerHeight]};
+}"""
+
+
+def _failure_shots(owner: Any, guest: Any) -> None:
+    """Best-effort pictures and HTML of both pages for a failed run; never hides the
+    failure."""
+    for page, name in ((owner, "browser-failure"), (guest, "browser-failure-guest")):
+        for i, frame in enumerate(page.frames):
+            try:
+                (ARTIFACTS / f"{name}-frame{i}.html").write_text(
+                    f"<!-- {frame.url} -->\n" + frame.content())
+                # Bokeh draws inside shadow roots: its widgets' texts are not in the HTML
+                (ARTIFACTS / f"{name}-frame{i}-bokeh.json").write_text(
+                    json.dumps(frame.evaluate(BOKEH_TEXTS_JS), indent=1))
+                print(name, i, frame.evaluate(RENDERING_JS))
+            except Exception as exc:
+                print(f"no HTML of {name} frame {i}: {exc}")
+        try:
+            page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True,
+                            timeout=10_000)
+        except Exception as exc:  # the test's own exception is the one that matters
+            print(f"no failure screenshot {name}: {exc}")
 
 
 def _step(frame: Any) -> int:
@@ -286,12 +356,10 @@ def _drive(owner: Any, guest: Any, lab: dict[str, Any]) -> None:
     assert set(loss["gens"]) == {0, 1, 2} and loss["joined"] == 0, loss
     assert 2 in steps["gens"] and steps["joined"] == 0, steps
     assert loss["marks"] == ["restart", "resume"], loss
-    owner.wait_for_timeout(1500)  # a few more refreshes, for the picture
-    job_view = nb_cells.nth(1).locator("iframe")
-    job_view.screenshot(path=str(ARTIFACTS / "job-page.png"))
+    _picture(owner.context, url, ARTIFACTS / "job-page.png")
     if os.environ.get("NBTRAIN_README_SCREENSHOT"):
         README_SHOT.parent.mkdir(exist_ok=True)
-        job_view.screenshot(path=str(README_SHOT))
+        _picture(owner.context, url, README_SHOT)
 
     # restart the kernel mid-run (it was blocked in job.wait()): the pages keep updating
     # (as the Kernel menu's Restart does once confirmed; not awaited)
@@ -315,6 +383,21 @@ def _drive(owner: Any, guest: Any, lab: dict[str, Any]) -> None:
     output(4, "closed CANCELLED", 180)
     guest.goto(url.split("&ticket=")[0])
     expect(guest.locator(".nbtrain-state")).to_have_text("CANCELLED", timeout=60_000)
+
+
+def _picture(context: Any, url: str, path: Path) -> None:
+    """The owner's job page at the iframe's size, in a tab of its own: with Chromium 156 an
+    element screenshot of the iframe inside JupyterLab waited forever for the element to
+    be "stable" (and a page screenshot for its fonts)."""
+    page = context.new_page()
+    try:
+        page.set_viewport_size({"width": 950, "height": 800})
+        page.goto(url)
+        _wait_text(page.locator(".nbtrain-state"), "RUNNING", 60)
+        _advances(page.main_frame, 10, 60)  # a few refreshes: the plots hold data
+        page.screenshot(path=str(path), full_page=True)
+    finally:
+        page.close()
 
 
 def _wait_text(locator: Any, text: str, timeout_s: float) -> None:

@@ -10,9 +10,15 @@ import subprocess
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 from tests.conftest import load_file_module
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# Ten faults, each with its recovery, on a supervised cluster: about 3 minutes on an idle
+# 2-core machine, twice that on a loaded one (the default 300 s cut a CI run short).
+pytestmark = pytest.mark.timeout(600)
 
 
 def _chaos() -> ModuleType:

@@ -99,11 +99,14 @@ def test_kill_a_rank_of_an_fsdp_job_and_it_recovers_exactly(
         free_cluster: nbtrain.Cluster, tmp_path: Path) -> None:
     out = _out(tmp_path, "out")
     job = _run(free_cluster, out, world_size=2, checkpoint=4, max_restarts=2,
-               faults=[Fault("kill", rank=1, step=7)],
+               faults=[Fault("kill", rank=1, step=10)],
                config={"strategy": "fsdp", "step_sleep": 0.01})
     assert job.restarts == 1 and job.faults[0]["what"] == "worker died", job.faults
     recovery = [e for e in job.events if e["kind"] == "recovery"]
-    assert recovery and recovery[0]["resumed_step"] == 4, recovery
+    # Step 4's checkpoint is committed before step 9 can run: the committer's save at step 8
+    # first waits for it, and step 9's collectives wait for the committer. Step 8's may or
+    # may not have committed when rank 1 dies at step 10 (its writer runs at nice 10).
+    assert recovery and recovery[0]["resumed_step"] in (4, 8), recovery
     assert_params_equal(out, single_process_params(STEPS))
 
 
