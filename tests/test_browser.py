@@ -145,8 +145,9 @@ def lab(tmp_path_factory: pytest.TempPathFactory,
     # no news/update toasts over the page in screenshots (and no network lookups)
     (settings / "notification.jupyterlab-settings").write_text(
         json.dumps({"fetchNews": "false", "checkForUpdates": False}))
-    # every cell attached and laid out: with the default ("contentVisibility"), Chromium 156
-    # never found the job page's buttons inside the cell's iframe "stable" to click
+    # every cell attached and laid out: with the default ("contentVisibility"), Playwright
+    # under Chromium 156 waited 30 s for the job page's Preempt button inside the cell's
+    # iframe to be "stable" to click, in a run where it was laid out and visible
     notebook = base / "settings" / "@jupyterlab" / "notebook-extension"
     notebook.mkdir(parents=True)
     (notebook / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
@@ -279,14 +280,16 @@ def _failure_shots(owner: Any, guest: Any) -> None:
         _shot(page, ARTIFACTS / f"{name}.png", timeout_s=10)
 
 
-def _shot(page: Any, path: Path, *, timeout_s: float = 60) -> None:
-    """A best-effort full-page picture for the artifacts: Chromium 156's headless
+def _shot(page: Any, path: Path, *, timeout_s: float = 60, required: bool = False) -> None:
+    """A full-page picture, best-effort unless ``required``: Chromium 156's headless
     screenshots sometimes never finish in a run beside other tests (the page renders, the
-    capture is not answered), and a picture is not what a test checks."""
+    capture is not answered), and a picture for the artifacts is not what a test checks."""
     try:
         page.bring_to_front()
         page.screenshot(path=str(path), full_page=True, timeout=timeout_s * 1000)
     except Exception as exc:
+        if required:
+            raise
         print(f"no picture {path.name}: {exc}")
 
 
@@ -418,11 +421,7 @@ def _picture(context: Any, url: str, path: Path, *, required: bool) -> None:
         page.goto(url, timeout=120_000)
         _wait_text(page.locator(".nbtrain-state"), "RUNNING", 120)
         _advances(page.main_frame, 10, 120)  # a few refreshes: the plots hold data
-        if required:
-            page.bring_to_front()
-            page.screenshot(path=str(path), full_page=True, timeout=120_000)
-        else:
-            _shot(page, path)
+        _shot(page, path, timeout_s=120 if required else 60, required=required)
     finally:
         page.close()
 

@@ -16,8 +16,8 @@ from tests.conftest import load_file_module
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Ten faults, each with its recovery, on a supervised cluster: about 3 minutes on an idle
-# 2-core machine, twice that on a loaded one (the default 300 s cut a CI run short).
+# Ten faults, each with its recovery, on a supervised cluster: 230 s here beside the browser
+# test; pytest-timeout's default 300 s cut a loaded CI run short. A hang guard, no more.
 pytestmark = pytest.mark.timeout(600)
 
 
