@@ -28,7 +28,11 @@ largest possible gain (``1 - bound``) the goodput policy took. The peer is elast
 rarely leaves a job waiting (shrinking for arrivals keeps everyone running), so the bound is
 0.687 on ``--quick`` and 0.625 on the full trace (2026-12-03): the issue's 0.7, set from
 Pollux's gains over schedulers that do not resize, asks for all of the possible gain on the
-quick trace and 80% of it on the full one, on a cluster that is full.
+quick trace and 80% of it on the full one, on a cluster that is full. ``bound_slot_demand``
+says how far the bound is from this cluster: the slot-seconds its sizes need over the
+cluster's slot-seconds in the arrival window (the trace asks for 1.44 at its own sizes on
+``--quick``, 1.42 on the full trace; the bound's sizes need 1.75 and 1.62), so the bound is
+not a schedule this cluster can run, only a floor.
 
 Run: ``python benchmarks/goodput.py --quick`` (a reduced trace, 1,500 jobs: under half a
 minute on two cores) or without ``--quick`` (4,000 jobs, about a minute and a half).
@@ -76,6 +80,20 @@ def _jct_bound_h(trace: list[TraceJob]) -> float:
     return total / len(trace) / 3600
 
 
+def _bound_demand(trace: list[TraceJob], n_slots: int) -> float:
+    """Slot-seconds the bound's sizes need (every elastic job at its fastest size, fixed jobs
+    as asked) over the cluster's slot-seconds in the trace's arrival window."""
+    need = 0.0
+    for j in trace:
+        if j.min_size is None:
+            need += j.size * j.duration_s
+            continue
+        r = j.tp * j.pp
+        best = min(range(r, (j.max_size or j.size) + 1, r), key=j.step_s)
+        need += best * j.duration_s * j.step_s(best) / j.step_s(j.size)
+    return need / (n_slots * trace[-1].submit_s)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1,500 jobs instead of 4,000")
@@ -107,6 +125,7 @@ def main() -> int:
         "load": LOAD,
         "mean_jct_ratio": round(ours["jct_mean_h"] / peer["jct_mean_h"], 4),
         "mean_jct_ratio_bound": round(_jct_bound_h(trace) / peer["jct_mean_h"], 4),
+        "bound_slot_demand": round(_bound_demand(trace, topo.n_slots), 3),
         "p99_jct_ratio": round(p99_ours / p99_peer, 4),
         "jct_mean_h": round(ours["jct_mean_h"], 3),
         "jct_mean_h_nbtrain": round(peer["jct_mean_h"], 3),
