@@ -9,12 +9,29 @@
   under ``torchrun --nproc-per-node 2``, alternating rounds, rank 0's own step clock.
 - ``hf_ok``, ``accelerate_ok``, ``lightning_ok``: each framework's job with a rank killed
   mid-run ends SUCCEEDED with parameters equal to an uninterrupted run's (bit-exact).
+- ``hf_trainer_extra_ms_per_step``: what the ratio means in time, the median step under
+  nbtrain less the median step under torchrun.
+- ``scheduler_cpu_ms_per_step``: CPU this process used per step of the nbtrain HF runs'
+  steady windows: the embedded scheduler with nbtrain's controller (taking each rank's step
+  rows, judging stragglers, keeping the durable store) and the client waiting. On a real
+  cluster it runs on another machine; here it shares the two cores with both ranks.
+- ``torchrun_beside_burner_ratio``: the torchrun HF peer beside ``_burner.py`` busy as many
+  ms per step as that (``burner_busy_ms`` of every ``burner_period_ms``), over the peer
+  alone, alternating rounds: what that much foreign CPU costs two ranks that fill two cores
+  and meet in collectives several times a step, whoever spends it.
 - ``script_recovered``: the script job whose rank 1 child is SIGKILLed mid-run restarts it
   (torchrun's way: the script starts again) and ends SUCCEEDED.
 
-Usage: ``python benchmarks/frameworks.py [--quick]``. Last stdout line: JSON. A torchrun run
-that fails is tried once more (``benchmarks/_peers.py``); if it fails again its ratio is null
-and ``peer_failed`` says why.
+Both rates move by up to 10-15% from one run to the next on a shared 2-core machine, in
+either system (a long steady window of each measured 27-41 steps/s within one hour), so a
+ratio from two rounds says little. The ratios are of the medians over rounds; next to them
+``*_pair_ratios`` lists each round's nbtrain rate over the torchrun rate of the same round
+(the two ran back to back) and ``*_pair_iqr`` the spread of those, so a reader sees how far
+one figure can be trusted. ``--rounds`` and ``--steps`` set how much is measured.
+
+Usage: ``python benchmarks/frameworks.py [--quick] [--rounds N] [--steps N]``. Last stdout
+line: JSON. A torchrun run that fails is tried once more (``benchmarks/_peers.py``); if it
+fails again its ratio is null and ``peer_failed`` says why.
 """
 
 from __future__ import annotations
@@ -22,9 +39,14 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +60,58 @@ HERE = Path(__file__).resolve().parent
 N_EMBD = 128  # wide enough that a step is compute, not Python overhead
 
 
-def run_nbtrain_hf(cluster: nbtrain.Cluster, steps: int, work: Path) -> float:
-    job = cluster.submit(hf_trainer_train, world_size=2, steps=steps, checkpoint=None,
-                         name="hf-rate", config={"work_dir": str(work), "n_embd": N_EMBD})
-    return steady_rate(job.result(timeout=600)["step_times"])
+def run_nbtrain_hf(cluster: nbtrain.Cluster, steps: int, work: Path) -> tuple[float, float]:
+    """The job's steady rate, and the CPU this process (the embedded scheduler with nbtrain's
+    controller, and the client waiting) used per step of the steady window, in ms."""
+    with CpuClock() as clock:
+        job = cluster.submit(hf_trainer_train, world_size=2, steps=steps, checkpoint=None,
+                             name="hf-rate", config={"work_dir": str(work), "n_embd": N_EMBD})
+        times = job.result(timeout=600)["step_times"]
+    steady = times[len(times) // 4:]
+    cpu = clock.between(steady[0], steady[-1])
+    return steady_rate(times), cpu / (len(steady) - 1) * 1000
+
+
+class CpuClock:
+    """This process's CPU seconds, sampled every 20 ms on a thread while the ``with`` lasts;
+    ``between(t0, t1)`` (wall-clock times) reads the samples nearest them."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._done.wait(0.02):
+            t = os.times()
+            self.samples.append((time.time(), t.user + t.system))
+
+    def __enter__(self) -> CpuClock:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def between(self, t0: float, t1: float) -> float:
+        def at(t: float) -> float:
+            return min(self.samples, key=lambda s: abs(s[0] - t))[1]
+        return at(t1) - at(t0)
+
+
+def run_torchrun_beside(steps: int, busy_ms: float, period_ms: float,
+                        attempt: PeerAttempt) -> float:
+    """The HF torchrun peer with a process beside it that is busy ``busy_ms`` of every
+    ``period_ms`` (``benchmarks/_burner.py``): how much a little foreign CPU costs two
+    ranks that share two cores."""
+    burner = subprocess.Popen([sys.executable, str(HERE / "_burner.py"), str(busy_ms),
+                               str(period_ms)])
+    try:
+        return run_torchrun_hf(steps, attempt)
+    finally:
+        burner.kill()
+        burner.wait()
 
 
 def run_torchrun(script: str, args: list[str], what: str, attempt: PeerAttempt) -> float:
@@ -77,10 +147,6 @@ def run_torchrun_script(steps: int, attempt: PeerAttempt) -> float:
 
 def script_recovers(cluster: nbtrain.Cluster, work: Path) -> bool:
     """SIGKILL rank 1's child of a running script job: it ends SUCCEEDED after one restart."""
-    import os
-    import signal
-    import time
-
     work.mkdir(parents=True, exist_ok=True)
     job = cluster.submit_script(HERE / "_torchrun_peer.py", world_size=2, name="script-kill",
                                 args=["--steps", "600", "--out", str(work / "times.json")])
@@ -125,13 +191,58 @@ def recovers_exactly(cluster: nbtrain.Cluster, fn: Any, root: Path, steps: int) 
     return True
 
 
+def pair_figures(name: str, ours: list[float], peers: list[PeerResult[float]]
+                 ) -> dict[str, Any]:
+    """Each round's nbtrain rate over its torchrun peer's (rounds whose peer failed are left
+    out) and the interquartile range of those ratios."""
+    pairs = [o / p.value for o, p in zip(ours, peers, strict=True) if p.value]
+    iqr = None
+    if len(pairs) >= 2:
+        q1, _, q3 = statistics.quantiles(pairs, n=4)
+        iqr = round(q3 - q1, 4)
+    return {f"{name}_pair_ratios": [round(r, 3) for r in pairs], f"{name}_pair_iqr": iqr}
+
+
+def measure_interference(steps: int, rounds: int, busy_ms: float, peer_rates: list[float]
+                         ) -> dict[str, Any]:
+    """The HF torchrun peer alone and beside ``_burner.py`` busy as many ms per step as
+    this process (nbtrain's scheduler) used per step of the nbtrain runs, alternating:
+    ``torchrun_beside_burner_ratio`` (beside / alone, medians)."""
+    if not peer_rates:
+        return {"torchrun_beside_burner_ratio": None}
+    period_ms = 1000 / statistics.median(peer_rates)
+    idle_ms = max(0.0, period_ms - busy_ms)
+    alone: list[PeerResult[float]] = []
+    beside: list[PeerResult[float]] = []
+    for i in range(rounds):
+        for which in (["alone", "beside"] if i % 2 == 0 else ["beside", "alone"]):
+            if which == "alone":
+                alone.append(run_peer("torchrun-hf", functools.partial(run_torchrun_hf, steps)))
+            else:
+                beside.append(run_peer("torchrun-hf-burner", functools.partial(
+                    run_torchrun_beside, steps, busy_ms, idle_ms)))
+        print(f"interference round {i + 1}/{rounds}: torchrun alone {alone[-1].value} "
+              f"steps/s, beside a burner busy {busy_ms:.2f} of every {period_ms:.1f} ms "
+              f"{beside[-1].value} steps/s", flush=True)
+    a = [p.value for p in alone if p.value is not None]
+    b = [p.value for p in beside if p.value is not None]
+    return {"torchrun_beside_burner_ratio": ratio(statistics.median(b) if b else None,
+                                                  statistics.median(a) if a else None),
+            "burner_busy_ms": round(busy_ms, 2), "burner_period_ms": round(period_ms, 2)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="2 rounds of 60 steps (else 5 of 200)")
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 60 steps (else 8 of 300)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds of each pair")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps of an HF run (the script runs 4x as many)")
     args = parser.parse_args()
-    rounds, steps = (2, 60) if args.quick else (5, 200)
+    rounds, steps = (2, 60) if args.quick else (8, 300)
+    rounds, steps = args.rounds or rounds, args.steps or steps
     root = Path(tempfile.mkdtemp(prefix="nbtrain-frameworks-"))
     ours: list[float] = []
+    cpu_ms: list[float] = []
     peers: list[PeerResult[float]] = []
     with nbtrain.connect(n_workers=2, settings=nbtrain.Settings.load(
             checkpoint_root=str(root / "checkpoints"))) as cluster:
@@ -140,13 +251,17 @@ def main() -> None:
             order = ["nbtrain", "torchrun"] if i % 2 == 0 else ["torchrun", "nbtrain"]
             for which in order:
                 if which == "nbtrain":
-                    ours.append(run_nbtrain_hf(cluster, steps, root / f"hf-{i}"))
+                    rate, cpu = run_nbtrain_hf(cluster, steps, root / f"hf-{i}")
+                    ours.append(rate)
+                    cpu_ms.append(cpu)
                 else:
                     peers.append(run_peer("torchrun-hf", functools.partial(run_torchrun_hf,
                                                                            steps)))
             peer = peers[-1].value
             print(f"round {i + 1}/{rounds}: nbtrain {ours[-1]:.1f} steps/s, torchrun "
                   + (f"{peer:.1f} steps/s" if peer is not None else "failed"), flush=True)
+        interference = measure_interference(steps, min(rounds, 4), statistics.median(cpu_ms),
+                                            [p.value for p in peers if p.value is not None])
         script: list[float] = []
         script_peers: list[PeerResult[float]] = []
         run_nbtrain_script(cluster, 30, root / "script-warm")
@@ -177,6 +292,12 @@ def main() -> None:
         else None,
         "script_ratio": ratio(statistics.median(script), statistics.median(got_script)
                               if got_script else None),
+        **pair_figures("hf_trainer", ours, peers),
+        "hf_trainer_extra_ms_per_step": round(1000 / statistics.median(ours)
+                                              - 1000 / statistics.median(got), 2) if got else None,
+        "scheduler_cpu_ms_per_step": round(statistics.median(cpu_ms), 2),
+        **interference,
+        **pair_figures("script", script, script_peers),
         "script_recovered": recovered,
         "rounds": rounds, "steps": steps,
         **ok, **peer_figures(peers + script_peers)}
