@@ -113,7 +113,8 @@ def device_figures(device: torch.device, width: int, depth: int, reps: int,
             fut = dcp.async_save({"model": model.state_dict(), "optimizer": opt.state_dict()},
                                  checkpoint_id=f"{root}/gpu-dcp-{i}")
             dcp_block.append(time.perf_counter() - t)
-            getattr(fut, "upload_completion", fut).result()
+            upload: Any = getattr(fut, "upload_completion", fut)
+            upload.result()
     finally:
         if own_group:
             dist.destroy_process_group()

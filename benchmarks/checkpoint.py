@@ -113,7 +113,7 @@ class Trainer:
         return [self.step() for _ in range(n)]
 
     def steps_until(self, done: Any, max_steps: int = 10_000) -> list[float]:
-        out = []
+        out: list[float] = []
         while not done() and len(out) < max_steps:
             out.append(self.step())
         return out
@@ -250,7 +250,7 @@ def rank_main(rank: int, args: argparse.Namespace, root: str, port: int) -> None
         t = time.perf_counter()
         fut = dcp.async_save(state_dicts(), checkpoint_id=f"{root}/dcp-{i}")
         dcp_block.append(time.perf_counter() - t)
-        upload = getattr(fut, "upload_completion", fut)
+        upload: Any = getattr(fut, "upload_completion", fut)
         # Runs in the thread that completes the upload (or here, at once, if it is done).
         upload.add_done_callback(lambda _f, out=finished: out.append(time.perf_counter()))
         tr.steps_until(upload.done)
@@ -270,8 +270,8 @@ def rank_main(rank: int, args: argparse.Namespace, root: str, port: int) -> None
     out: list[Any] = [None] * WORLD
     dist.all_gather_object(out, res)
     if rank == 0:
-        with open(f"{root}/result.json", "w") as f:
-            json.dump(out, f)
+        with open(f"{root}/result.json", "w") as result_file:
+            json.dump(out, result_file)
     dist.destroy_process_group()
 
 
@@ -497,4 +497,4 @@ def report(ranks: list[dict[str, Any]], args: argparse.Namespace, wall: float,
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -123,7 +123,8 @@ def compare_checkpoints(ctx: nbtrain.RankContext, state: dict[str, Any],
         t = time.perf_counter()
         fut = dcp.async_save(to_dcp_state(state), checkpoint_id=str(root / f"dcp-{i}"))
         theirs.append(time.perf_counter() - t)
-        getattr(fut, "upload_completion", fut).result()
+        upload: Any = getattr(fut, "upload_completion", fut)
+        upload.result()
     writer.close()
     mine = {"nbtrain_blocking_s": statistics.median(ours[1:]),
             "dcp_async_blocking_s": statistics.median(theirs[1:]),

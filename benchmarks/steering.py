@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -175,7 +175,7 @@ def _same_step(job: nbtrain.JobHandle) -> bool:
     if wide.isna().any().any() or len(m["rank"].unique()) != WORLD:
         return False
     for step, row in wide.iterrows():
-        want = values_at(defaults, state.history, int(step) - 1)
+        want = values_at(defaults, state.history, int(cast(int, step)) - 1)
         for rank in range(WORLD):
             if row[("lr", rank)] != want["lr"] or row[("aux", rank)] != want["aux_weight"]:
                 return False

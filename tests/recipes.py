@@ -6,7 +6,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +15,13 @@ from torch.utils.data import TensorDataset
 import nbtrain
 from nbtrain.accounting import Indexed, SampleLog
 from nbtrain.runtime.loader import ShardedLoader
+
+
+def unwrapped(model: Any) -> torch.nn.Module:
+    """The module inside a wrapper with ``.module`` (DDP), or the model itself."""
+    inner = getattr(model, "module", model)
+    assert isinstance(inner, torch.nn.Module), type(inner)
+    return inner
 
 
 def regression_data(n: int = 256, d: int = 8, seed: int = 1) -> TensorDataset:
@@ -69,8 +76,8 @@ class Regression(nbtrain.Recipe):
 
     def teardown(self, ctx: nbtrain.RankContext) -> None:
         if self.out_dir is not None:
-            module = self.model.module if hasattr(self.model, "module") else self.model
-            torch.save(module.state_dict(), Path(self.out_dir) / f"rank{ctx.rank}.pt")
+            torch.save(unwrapped(self.model).state_dict(),
+                       Path(self.out_dir) / f"rank{ctx.rank}.pt")
 
 
 class GpuRegression(Regression):
@@ -79,8 +86,7 @@ class GpuRegression(Regression):
 
     def teardown(self, ctx: nbtrain.RankContext) -> None:
         if self.out_dir is not None:
-            module = self.model.module if hasattr(self.model, "module") else self.model
-            torch.save({k: v.cpu() for k, v in module.state_dict().items()},
+            torch.save({k: v.cpu() for k, v in unwrapped(self.model).state_dict().items()},
                        Path(self.out_dir) / f"rank{ctx.rank}.pt")
 
 
@@ -129,7 +135,7 @@ def regression_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> dict[s
         ctx.report(loss=loss.item())
     # Runs only when the loop completed (not after a stop or preemption).
     if config.get("out_dir"):
-        torch.save(model.module.state_dict(), Path(config["out_dir"]) / f"rank{ctx.rank}.pt")
+        torch.save(unwrapped(model).state_dict(), Path(config["out_dir"]) / f"rank{ctx.rank}.pt")
     return {"steps": ctx.step, "final_loss": float(loss.item())}
 
 
@@ -157,7 +163,7 @@ def steered_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> dict[str,
         opt.step()
         ctx.report(loss=loss.item(), lr=opt.param_groups[0]["lr"], aux=aux)
     if config.get("out_dir"):
-        torch.save(model.module.state_dict(), Path(config["out_dir"]) / f"rank{ctx.rank}.pt")
+        torch.save(unwrapped(model).state_dict(), Path(config["out_dir"]) / f"rank{ctx.rank}.pt")
     return {"steps": ctx.step}
 
 
@@ -221,7 +227,7 @@ def elastic_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> None:
             opt.step()
             ctx.report(loss=loss.item())
     finally:
-        torch.save(model.module.state_dict(), Path(config["out_dir"]) / f"rank{ctx.rank}.pt")
+        torch.save(unwrapped(model).state_dict(), Path(config["out_dir"]) / f"rank{ctx.rank}.pt")
 
 
 def per_rank_batch_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> None:
@@ -248,7 +254,8 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     every rank)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return cast(dict[str, torch.Tensor],
+                get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
 
 
 def parallel_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> dict[str, Any]:

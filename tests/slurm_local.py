@@ -58,6 +58,14 @@ class SlurmMissing(RuntimeError):
     """No Slurm can run here; the message says why."""
 
 
+def _program(proc: subprocess.Popen[Any]) -> str:
+    """The program a ``Popen`` started (its first argument)."""
+    args = proc.args
+    if isinstance(args, str | bytes | os.PathLike):
+        return os.fsdecode(args)
+    return os.fsdecode(args[0])
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -128,7 +136,7 @@ class LocalSlurm:
                 return
             for p in self.started:
                 if p.poll() is not None:
-                    raise SlurmMissing(f"{p.args[0]} exited with {p.returncode}; see "
+                    raise SlurmMissing(f"{_program(p)} exited with {p.returncode}; see "
                                        f"{self.root}/*.log and *.err")
             if time.monotonic() > deadline:
                 raise SlurmMissing(f"Slurm's node is not idle after {START_TIMEOUT_S:.0f} s "
