@@ -100,13 +100,13 @@ class CpuClock:
         return at(t1) - at(t0)
 
 
-def run_torchrun_beside(steps: int, busy_ms: float, period_ms: float,
+def run_torchrun_beside(steps: int, busy_ms: float, idle_ms: float,
                         attempt: PeerAttempt) -> float:
-    """The HF torchrun peer with a process beside it that is busy ``busy_ms`` of every
-    ``period_ms`` (``benchmarks/_burner.py``): how much a little foreign CPU costs two
-    ranks that share two cores."""
+    """The HF torchrun peer with a process beside it that is busy ``busy_ms``, then idle
+    ``idle_ms``, over and over (``benchmarks/_burner.py``): how much a little foreign CPU
+    costs two ranks that share two cores."""
     burner = subprocess.Popen([sys.executable, str(HERE / "_burner.py"), str(busy_ms),
-                               str(period_ms)])
+                               str(idle_ms)])
     try:
         return run_torchrun_hf(steps, attempt)
     finally:

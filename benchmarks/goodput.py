@@ -65,32 +65,32 @@ def _jct_p99_h(res: SimResult) -> float:
     return float(np.percentile(jcts, 99)) / 3600 if jcts else float("nan")
 
 
+def _bound_size(j: TraceJob) -> int:
+    """The size the bound runs a job at: an elastic job's fastest size in its bounds, a fixed
+    job's own."""
+    if j.min_size is None:
+        return j.size
+    r = j.tp * j.pp
+    return min(range(r, (j.max_size or j.size) + 1, r), key=j.step_s)
+
+
+def _bound_duration_s(j: TraceJob) -> float:
+    """The job's duration at its bound size."""
+    n = _bound_size(j)
+    return j.duration_s * j.step_s(n) / j.step_s(j.size)
+
+
 def _jct_bound_h(trace: list[TraceJob]) -> float:
     """Mean JCT (hours) with no wait and every elastic job at its fastest size in its bounds
     from the moment it is submitted, on a cluster with no limit (fixed jobs run their
     duration): no sizing policy on the real cluster can beat it."""
-    total = 0.0
-    for j in trace:
-        if j.min_size is None:
-            total += j.duration_s
-            continue
-        r, top = j.tp * j.pp, j.max_size or j.size
-        best = min(j.step_s(n) for n in range(r, top + 1, r))
-        total += j.duration_s * best / j.step_s(j.size)
-    return total / len(trace) / 3600
+    return sum(_bound_duration_s(j) for j in trace) / len(trace) / 3600
 
 
 def _bound_demand(trace: list[TraceJob], n_slots: int) -> float:
     """Slot-seconds the bound's sizes need (every elastic job at its fastest size, fixed jobs
     as asked) over the cluster's slot-seconds in the trace's arrival window."""
-    need = 0.0
-    for j in trace:
-        if j.min_size is None:
-            need += j.size * j.duration_s
-            continue
-        r = j.tp * j.pp
-        best = min(range(r, (j.max_size or j.size) + 1, r), key=j.step_s)
-        need += best * j.duration_s * j.step_s(best) / j.step_s(j.size)
+    need = sum(_bound_size(j) * _bound_duration_s(j) for j in trace)
     return need / (n_slots * trace[-1].submit_s)
 
 
