@@ -18,9 +18,11 @@ from nbtrain.core.straggler import (
     StragglerSettings,
     Verdict,
     leave_one_out_median,
+    median0,
     ratio_text,
     residual_comm,
 )
+from nbtrain.core.stragglercost import trimmed_mean
 
 BASE = {Phase.DATA: 0.015, Phase.COMPUTE: 0.060, Phase.OPT: 0.010}
 
@@ -510,3 +512,73 @@ def test_a_rank_alternating_fast_and_slow_steps_is_confirmed_by_its_cost_and_sta
     assert 200 + StragglerSettings().confirm_steps - 8 <= confirmed[0].step <= 260
     assert not [e for e in events if e.step > confirmed[0].step and e.rank == 1
                 and e.phase is Phase.COMPUTE and e.state is Verdict.CLEARED]
+
+
+# -- the judging shortcuts are the rules, only cheaper ------------------------------------------
+
+
+class _AllRules(StragglerDetector):
+    """A detector that never takes the quiet-step shortcut: every rule reads its evidence."""
+
+    def _nothing_to_decide(self, count: np.ndarray) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 8])
+@pytest.mark.parametrize("seed", range(6))
+def test_the_quiet_step_shortcut_gives_the_verdicts_of_all_rules(world_size: int,
+                                                                 seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    steady = np.ones((700, world_size))
+    rank = int(rng.integers(world_size))
+    onset, end = int(rng.integers(40, 250)), int(rng.integers(300, 600))
+    factor = float(rng.choice([1.5, 2.5]))
+    steady[onset:end, rank] = np.where(np.arange(end - onset) % int(rng.integers(5, 8)),
+                                       factor, 1.0)  # slow on most steps, not all
+    # with spikes, ended runs of slow steps leave pairs that may be confirmed; without, the
+    # first suspect of a job comes from an all-quiet state
+    frames = ddp_frames(world_size, 700, seed=seed, noise=float(rng.choice([0.02, 0.1])),
+                        spike_prob=0.05 if seed % 2 else 0.0, compute_factor=steady)
+    # a long confirm_s: suspects come and go (and are cleared) long before they could be
+    # confirmed, so the shortcut's suspect and clear conditions decide alone
+    rules = StragglerSettings(confirm_s=30.0) if seed >= 3 else None
+    quick, full = StragglerDetector(world_size, rules), _AllRules(world_size, rules)
+    change = {"window": 12, "suspect_votes": 9, "clear_votes": 3, "confirm_steps": 48}
+    got: list[list[dict[str, object]]] = [[], []]
+    for i, det in enumerate((quick, full)):
+        for f in frames:
+            if f.step == 400:  # rings regrown mid-run: NaN gaps in the evidence
+                got[i] += [d.to_event() for d in det.update_settings(**change)]
+            got[i] += [d.to_event() for d in det.observe_frame(f)]
+    assert got[0] == got[1]
+    assert any(e["state"] == ("suspect" if rules else "confirmed") for e in got[0])
+    assert quick.noise_s() == full.noise_s()
+    assert [d.to_event() for d in quick.active()] == [d.to_event() for d in full.active()]
+
+
+def test_median0_is_numpys_median_bit_for_bit() -> None:
+    rng = np.random.default_rng(0)
+    for n in [0, 1, 2, 3, 4, 7, 8, 33]:
+        values = rng.random((n, 4, 3)) * 10.0 ** rng.integers(-6, 3, (1, 4, 3))
+        if n:
+            values[rng.integers(n), 1, 2] = np.nan  # a gap: its column is NaN
+        with np.errstate(invalid="ignore"):
+            want = np.median(values, axis=0) if n else np.full((4, 3), np.nan)
+        np.testing.assert_array_equal(median0(values), want)  # equal, NaN where NaN
+        assert np.isnan(median0(values)).sum() == (1 if n else 12)
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_trimmed_mean_leaves_out_the_extremes_and_keeps_gaps(axis: int) -> None:
+    rng = np.random.default_rng(1)
+    for n in [2, 3, 4, 5, 8, 16]:
+        values = rng.random((n, 5, 3) if axis == 0 else (5, n, 3))
+        ordered = np.sort(values, axis=axis)
+        inner = np.take(ordered, np.arange(1, n - 1), axis=axis)
+        want = values.mean(axis=axis) if n < 4 else inner.mean(axis=axis)
+        np.testing.assert_array_equal(trimmed_mean(values, axis=axis), want)
+        gap = values.copy()
+        where, shown = ((n - 1, 2, 1), (2, 1)) if axis == 0 else ((2, n - 1, 1), (2, 1))
+        gap[where] = np.nan
+        got = trimmed_mean(gap, axis=axis)
+        assert np.isnan(got).sum() == 1 and np.isnan(got[shown])

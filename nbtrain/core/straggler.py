@@ -357,8 +357,8 @@ def median0(values: FloatArray) -> FloatArray:
     ordered = np.sort(values, axis=0)
     m = n // 2
     mid: FloatArray = ordered[m] if n % 2 else (ordered[m - 1] + ordered[m]) / 2
-    gaps = np.isnan(values).any(axis=0)
-    if np.any(gaps):
+    gaps = np.isnan(ordered[-1])  # NaN sorts last: a column with one has it there
+    if gaps.any():
         mid = np.where(gaps, np.nan, mid)
     return mid
 
@@ -457,6 +457,7 @@ class StragglerDetector:
         if _ring_len(new) != _ring_len(old):
             self._resize_rings(_ring_len(new))
         self._cost.update_settings(new)
+        self._watched = _watched(new)
         dropped = [i for i, p in enumerate(PHASES) if p not in new.phases]
         events: list[Diagnosis] = []
         for pi in dropped:
@@ -567,6 +568,7 @@ class StragglerDetector:
         self._since: IntArray = np.full((p, n), -1, dtype=np.int64)
         self._cost = CostJudge(self._settings, n)
         self._median_step_s = 0.0
+        self._watched = _watched(self._settings)
 
     def _resize_rings(self, r: int) -> None:
         pos = self._pos
@@ -592,11 +594,10 @@ class StragglerDetector:
         floor = max(s.min_excess_s, s.min_step_share * self._median_step_s)
         slow = (excess >= (s.ratio - 1.0) * np.maximum(reference, 0.0)) & (excess >= floor)
         if self._n >= 3:
-            centre = np.median(values, axis=1, keepdims=True)
-            mad = np.median(np.abs(values - centre), axis=1, keepdims=True)
+            centre = median0(values.T)[:, None]  # np.median over the ranks, bit for bit
+            mad = median0(np.abs(values - centre).T)[:, None]
             slow &= excess >= s.min_z * _MAD_TO_SIGMA * mad
-        watched = np.array([[p in s.phases] for p in PHASES])
-        slow &= watched
+        slow &= self._watched
         return slow, excess, reference
 
     def _judge(self, frame: StepFrame) -> list[Diagnosis]:
@@ -635,6 +636,8 @@ class StragglerDetector:
         self._run_s[self._run_start >= 0] += step_s
 
         state = self._state
+        if self._nothing_to_decide(count):
+            return []
         evidence = self._recent(s.confirm_steps)
         excess = self._excess[evidence[::-1]]  # oldest first
         evidence_s = float(median0(self._steps_s[evidence]))
@@ -645,8 +648,7 @@ class StragglerDetector:
         state[suspect] = 1
         started = self._run_start[suspect]
         self._since[suspect] = np.where(started >= 0, started, step)
-        watched = np.array([[p in s.phases] for p in PHASES])
-        candidates = (state < 2) & ~cleared & watched & (self._run_s >= s.confirm_s)
+        candidates = (state < 2) & ~cleared & self._watched & (self._run_s >= s.confirm_s)
         # the lasting path's evidence, copied out of the ring only when someone may use it
         long_excess = (self._excess[self._recent(s.sustain_steps)[::-1]]
                        if s.sustain_steps > s.confirm_steps and candidates.any() else None)
@@ -667,6 +669,16 @@ class StragglerDetector:
                     events.append(self._diagnose(int(pi), int(rank), verdict, step))
         events.sort(key=lambda d: (d.step, d.rank, PHASES.index(d.phase)))
         return events
+
+    def _nothing_to_decide(self, count: IntArray) -> bool:
+        """The common step (on a healthy job, almost every one): no pair is suspect or
+        confirmed, none becomes suspect (``count``: its slow steps in the vote window), and
+        none has been slow long enough to be confirmed. The clear, suspect and confirm rules
+        would then change nothing, so the step skips reading their evidence (a third of a
+        judged step's cost)."""
+        s = self._settings
+        return not (self._state.any() or (count >= s.suspect_votes).any()
+                    or (self._watched & (self._run_s >= s.confirm_s)).any())
 
     def _diagnose(self, pi: int, rank: int, verdict: Verdict, step: int) -> Diagnosis:
         s = self._settings
@@ -699,6 +711,11 @@ class StragglerDetector:
             noise_s=float(self._cost.bar()[pi, rank] if verdict is Verdict.CONFIRMED
                           else self._cost.noise()[pi]),
         )
+
+
+def _watched(s: StragglerSettings) -> BoolArray:
+    """Per (phase, 1): whether the phase is judged (broadcasts over the ranks)."""
+    return np.array([[p in s.phases] for p in PHASES])
 
 
 def _ring_len(s: StragglerSettings) -> int:

@@ -62,9 +62,13 @@ def trimmed_mean(values: FloatArray, axis: int = 0) -> FloatArray:
         plain: FloatArray = values.mean(axis=axis)
         return plain
     ordered = np.sort(values, axis=axis)  # NaN sorts last: the mean keeps it
-    inner: FloatArray = np.take(ordered, np.arange(1, n - 1), axis=axis).mean(axis=axis)
-    gaps = np.isnan(values).any(axis=axis)
-    if np.any(gaps):
+    if axis != 0:
+        ordered = np.moveaxis(ordered, axis, 0)
+    # What ``ordered[1:-1].mean(axis=0)`` computes (the same sum, divided the same way),
+    # without its Python wrapper: the detector calls this twice on every judged step.
+    inner: FloatArray = np.add.reduce(ordered[1:n - 1], axis=0) / (n - 2)
+    gaps = np.isnan(ordered[n - 1])  # a column with a NaN has one last
+    if gaps.any():
         inner = np.where(gaps, np.nan, inner)
     return inner
 
