@@ -675,7 +675,7 @@ class StragglerDetector:
         confirmed, none becomes suspect (``count``: its slow steps in the vote window), and
         none has been slow long enough to be confirmed. The clear, suspect and confirm rules
         would then change nothing, so the step skips reading their evidence (a third of a
-        judged step's cost)."""
+        judged step's cost at 2 ranks, a sixth at 64)."""
         s = self._settings
         return not (self._state.any() or (count >= s.suspect_votes).any()
                     or (self._watched & (self._run_s >= s.confirm_s)).any())
