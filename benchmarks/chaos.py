@@ -161,6 +161,22 @@ class Campaign:
             run.ok = job.wait(TIMEOUT_S) is JobState.SUCCEEDED
         if not run.ok:
             print(f"  {job.name} ended {job.status.value}: {job.reason}", flush=True)
+            self.explain(job)
+
+    def explain(self, job: nbtrain.JobHandle) -> None:
+        """What a job that did not end as expected was doing: its step (still training?),
+        its newest events and its ranks' call stacks, for the record of a failed run."""
+        step = job.step
+        time.sleep(1.0)
+        print(f"  step {step}, {job.step} a second later; generation {job.generation}",
+              flush=True)
+        for e in job.events[-12:]:
+            print(f"  event {json.dumps(e, default=str)[:300]}", flush=True)
+        with contextlib.suppress(Exception):
+            for worker, tasks in self.c.client.call_stack().items():
+                for key, frames in tasks.items():
+                    print(f"  stack of {key} on {worker}:\n    "
+                          + "\n    ".join("".join(frames).splitlines()[-24:]), flush=True)
 
     # -- faults -------------------------------------------------------------------------------
     def pids(self, job: nbtrain.JobHandle) -> dict[int, int]:

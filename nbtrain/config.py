@@ -67,6 +67,12 @@ class Settings:
     #: After the first rank fails, how long the other ranks get to exit before their tasks are
     #: cancelled and their workers restarted.
     failure_grace_s: float = _POLICY.failure_grace_s
+    #: After ``job.stop()``, how long the ranks get to reach a step boundary, finish the
+    #: checkpoint in flight and commit the final one (each commit waits up to
+    #: ``checkpoint_commit_timeout_s``). Ranks still running then are stopped, their workers
+    #: restarted, and the job ends CANCELLED with the reason saying so. 0: twice the commit
+    #: timeout plus 100 s (300 s at the defaults); set, at least twice the commit timeout.
+    stop_grace_s: float = 0.0
     #: How often a rank on a GPU samples its GPU's health through NVML (clocks, throttle
     #: reasons, temperature, power, ECC, XID) for straggler verdicts; 0 = never. Needs
     #: nvidia-ml-py (``pip install nbtrain[gpu]``) on the workers.
@@ -359,6 +365,10 @@ def _incoherent(s: Settings) -> list[str]:
     if s.control_poll_s > s.preempt_grace_s:
         out.append(f"control_poll_s ({s.control_poll_s:g}) must not exceed preempt_grace_s "
                    f"({s.preempt_grace_s:g}): a preempted job would not hear of it in time")
+    if 0 < s.stop_grace_s < 2 * s.checkpoint_commit_timeout_s:
+        out.append(f"stop_grace_s ({s.stop_grace_s:g}) must be at least twice "
+                   f"checkpoint_commit_timeout_s ({s.checkpoint_commit_timeout_s:g}): a stopped "
+                   "job's ranks may wait for the checkpoint in flight and then for the final one")
     commit, grace = s.checkpoint_commit_timeout_s, s.preempt_grace_s
     if commit > grace and not _REMADE.get():
         warnings.warn(
@@ -371,8 +381,8 @@ def _incoherent(s: Settings) -> list[str]:
     return out
 
 
-#: Durations where 0 means "off".
-_ZERO_MEANS_OFF = frozenset({"device_sample_s"})
+#: Durations where 0 means "off" (``stop_grace_s``: "derived from the commit timeout").
+_ZERO_MEANS_OFF = frozenset({"device_sample_s", "stop_grace_s"})
 #: Counts that may be 0 (``rank_threads``: 0 = the host's cores divided among its slots).
 _ZERO_ALLOWED = frozenset({"rank_threads"})
 

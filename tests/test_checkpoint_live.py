@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import nbtrain
-from nbtrain import JobState
+from nbtrain import Fault, JobState
 from tests.conftest import wait_for
 from tests.recipes import Regression, assert_params_equal, single_process_params
 
@@ -82,6 +82,27 @@ def test_storage_that_not_every_rank_sees_fails_at_once_naming_who_saw_what(
     assert "do not share the checkpoint storage memory://per-process" in error, error
     assert "does not see the files of ranks" in error and "object store URL" in error
     assert len(free_cluster.free_slots) == 2
+
+
+def test_a_stop_whose_rank_hangs_ends_after_its_grace_saying_so(
+        free_cluster: nbtrain.Cluster) -> None:
+    """A stop waits for the ranks' final checkpoint, not forever: with rank 1 hung (and the
+    hang watchdog set out of reach) the job ends CANCELLED ``stop_grace_s`` after the stop,
+    its stuck ranks stopped and their workers restarted, and the reason says which and why."""
+    settings = nbtrain.Settings.load(token_file="", hang_floor_s=3600.0,
+                                     checkpoint_commit_timeout_s=2.0, stop_grace_s=5.0)
+    with nbtrain.connect(free_cluster.address, settings=settings) as own:
+        job = own.submit(Regression(step_sleep=0.01), world_size=2, steps=10**6,
+                         checkpoint=None, name="hung-stop", faults=[Fault("hang", rank=1,
+                                                                           step=6)])
+        wait_for(lambda: any(e["kind"] == "fault_injected" for e in job.events), 120,
+                 "rank 1 hanging as step 6 starts (rank 0 then waits for it)")
+        job.stop()
+        assert job.wait(120) is JobState.CANCELLED
+        reason = job.reason
+    assert reason.startswith("stopped by user at step "), reason
+    assert "rank(s) 0, 1 had not ended 5 s after the stop request (stop_grace_s)" in reason
+    assert "their workers restarted" in reason
 
 
 def test_preempt_then_resume_matches_uninterrupted(free_cluster: nbtrain.Cluster,

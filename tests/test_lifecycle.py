@@ -405,6 +405,48 @@ def test_stop_while_queued_and_while_failing() -> None:
     assert h.state("a") == "CANCELLED" and "a rank failed meanwhile" in h.reason("a")
 
 
+
+def test_a_stop_whose_ranks_do_not_end_within_its_grace_is_forced_with_its_cause() -> None:
+    """A stop waits for a final checkpoint, not forever: a rank still running
+    ``stop_grace_s`` after the stop request (stuck in a commit, a hung write, a lost control
+    message) is stopped, its worker restarted, and the reason says so and why."""
+    h = Harness(workers=2)
+    run_to_running(h)
+    h.committed("a", 0, 20)
+    h.steps("a", 0, 27)
+    h.feed(request_from_wire, "a", "stop")
+    h.exit("a", 0, 1, "stopped", 28)  # rank 0 never ends
+    h.advance(200)
+    h.feed(request_from_wire, "a", "stop")  # asking again does not move the deadline
+    assert h.of(Cancel, h.advance(99)) == [] and h.state("a") == "STOPPING"
+    out = h.advance(2)
+    assert h.of(Cancel, out) == [Cancel("a", 0, (0,))]
+    [restart] = h.of(RestartWorkers, out)
+    assert "stop_grace_s (300 s)" in restart.reason
+    assert h.state("a") == "CANCELLED"
+    reason = h.reason("a")
+    assert reason.startswith("stopped by user at step 28; rank(s) 0 had not ended 300 s")
+    assert "the newest committed checkpoint is step 20" in reason
+    h.submit("b", 1)  # rank 1's slot is free again (rank 0's worker is restarting)
+    assert len(h.launches("b")) == 1
+
+
+def test_a_stop_that_ends_in_time_says_nothing_more() -> None:
+    h = Harness(workers=2)
+    run_to_running(h)
+    h.feed(request_from_wire, "a", "stop")
+    h.advance(250)
+    h.exit("a", 0, 0, "stopped", 30)
+    h.exit("a", 0, 1, "stopped", 30)
+    assert h.reason("a") == "stopped by user at step 30"
+    assert h.of(Cancel, h.advance(100)) == []
+
+
+def test_stop_grace_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="stop_grace_s must be > 0 seconds, got 0"):
+        JobPolicy(stop_grace_s=0)
+
+
 STUCK = 'File "nbtrain/runtime/faults.py", line 66, in fire\n  threading.Event().wait()'
 WAITING = 'File "torch/distributed/distributed_c10d.py", line 2800, in all_reduce'
 

@@ -83,6 +83,19 @@ def test_a_value_of_the_wrong_type_in_code_is_refused(changes: dict[str, object]
         Settings(**changes)  # type: ignore[arg-type]
 
 
+def test_stop_grace_follows_the_commit_timeout_unless_set() -> None:
+    from nbtrain.core.checkpoint_policy import stop_grace_s
+
+    s = Settings.load()
+    assert stop_grace_s(s.checkpoint_commit_timeout_s, s.stop_grace_s) == 300
+    assert stop_grace_s(400.0, 0.0) == 900 and stop_grace_s(100.0, 250.0) == 250
+    with pytest.raises(ValueError, match=r"stop_grace_s \(150\) must be at least twice "
+                                         r"checkpoint_commit_timeout_s \(100\)"):
+        Settings.load(stop_grace_s=150.0)
+    # a longer commit timeout needs no stop_grace_s set with it
+    Settings.load(checkpoint_commit_timeout_s=400.0, preempt_grace_s=600.0, retire_wait_s=600.0)
+
+
 def test_a_commit_timeout_past_the_preemption_grace_warns() -> None:
     with pytest.warns(UserWarning, match=r"checkpoint_commit_timeout_s \(200\) is longer than "
                                          r"preempt_grace_s \(60\)"):

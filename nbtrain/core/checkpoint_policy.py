@@ -47,6 +47,17 @@ def preemption_commit_s(commit_timeout_s: float, preempt_grace_s: float) -> floa
     return max(0.1, min(commit_timeout_s, PREEMPT_COMMIT_SHARE * preempt_grace_s))
 
 
+#: Added to a stop's two commit waits for the ranks to reach a step boundary and exit.
+STOP_MARGIN_S = 100.0
+
+
+def stop_grace_s(commit_timeout_s: float, configured: float = 0.0) -> float:
+    """How long a stopped job's ranks get before they are stopped: ``configured`` if set
+    (> 0), else room for the checkpoint in flight and the final one to wait out their
+    commits, plus ``STOP_MARGIN_S`` (300 s at the default commit timeout)."""
+    return configured if configured > 0 else 2 * commit_timeout_s + STOP_MARGIN_S
+
+
 def young_daly_interval(cost_s: float, mtbf_s: float) -> float:
     """Young/Daly optimal time between checkpoints: ``sqrt(2 * cost_s * mtbf_s)``."""
     if not (math.isfinite(cost_s) and cost_s >= 0):

@@ -201,7 +201,7 @@ def request(job: LiveJob, ev: UserRequest, *, now: float, grace_s: float, schedu
     settings or a fault to inject. ``grace_s``: a preemption's time to checkpoint;
     ``scheduled``: the gang scheduler exists (a worker has joined)."""
     if isinstance(ev, StopRequested):
-        return _stop(job, out)
+        return _stop(job, now, out)
     if isinstance(ev, PreemptRequested):
         return _preempt(job, now, grace_s, scheduled, out)
     if isinstance(ev, ResumeRequested):
@@ -257,8 +257,10 @@ def _inject(job: LiveJob, fault: Fault, out: Outbox) -> None:
         out.add(Deliver(job.id, gen.addresses[fault.rank], fault))
 
 
-def _stop(job: LiveJob, out: Outbox) -> Next:
+def _stop(job: LiveJob, now: float, out: Outbox) -> Next:
     if job.gen is not None:
+        if not job.stop_requested:
+            job.stop_deadline = now + job.sub.policy.stop_grace_s
         job.stop_requested = True
         out.set_control(job, stop=1)
         out.set_state(job, JobState.STOPPING, "stop requested: ending at the next step boundary")
@@ -317,7 +319,7 @@ def generation_ended(job: LiveJob, gen: Generation, *, now: float, avoid: frozen
     step = max((int(o.get("step", 0)) for o in gen.outcomes.values()), default=job.step)
     if job.stop_requested:
         job.preempt = None
-        return EndJob(JobState.CANCELLED, f"stopped by user at step {step}")
+        return EndJob(JobState.CANCELLED, f"stopped by user at step {step}{_stop_forced(job, gen)}")
     if "preempted" in outcomes and job.preempt is not None:
         return _preempted(job, gen, step, now, avoid, name_of, out)
     if "halted" in outcomes:
@@ -330,6 +332,18 @@ def generation_ended(job: LiveJob, gen: Generation, *, now: float, avoid: frozen
         return EndJob(JobState.SUCCEEDED, f"completed {step} steps", finished=True)
     return EndJob(JobState.CANCELLED, f"stopped at step {step} (outcomes: {sorted(outcomes)})",
                   finished=True)
+
+
+def _stop_forced(job: LiveJob, gen: Generation) -> str:
+    """What the reason of a stop adds when its grace ran out ("" when every rank ended)."""
+    if not gen.stop_forced:
+        return ""
+    ranks = ", ".join(str(r) for r in gen.stop_forced)
+    last = (f"the newest committed checkpoint is step {job.committed_step}"
+            if job.committed_step else "no checkpoint was committed")
+    return (f"; rank(s) {ranks} had not ended {job.sub.policy.stop_grace_s:g} s after the "
+            f"stop request (stop_grace_s), so they were stopped and their workers restarted; "
+            f"{last}")
 
 
 def _preempted(job: LiveJob, gen: Generation, step: int, now: float, avoid: frozenset[str],

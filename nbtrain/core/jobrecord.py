@@ -60,6 +60,8 @@ class Generation:
     running: bool = False  # a step row arrived
     released: bool = False  # peers freed (failed ranks' workers restarted, or NCCL aborted)
     forced: bool = False  # preemption grace ran out: ranks stopped without their checkpoint
+    #: The ranks a stop's grace ran out on (stopped, their workers restarted), for the reason.
+    stop_forced: tuple[int, ...] = ()
     nonfinite: set[str] = field(default_factory=set)  # metrics already reported non-finite
     timed_rows: int = 0  # rank 0's step rows goodput sizing has seen (it skips the first)
 
@@ -211,6 +213,8 @@ class LiveJob:
         self.stragglers = StragglerWatch(sub.spec.world_size, mitigation=sub.mitigation)
         self.recovering = ""
         self.stop_requested = False
+        #: Monotonic: past it, ranks still running after a stop request are stopped.
+        self.stop_deadline: float | None = None
         self.preempt: Preemption | None = None
         self.checkpoint_seq = 0
         self.halt_reason = ""

@@ -30,7 +30,9 @@ decisions into generations. What the machine adds is what the scheduler does not
   ``worker_return_s`` is reported lost (:mod:`nbtrain.core.slotbook`).
 - **Preemption grace.** A job told to release its slots gets ``preempt_grace_s`` to
   checkpoint; after that its ranks are stopped and it resumes from its last committed
-  checkpoint (the steps after it are counted as lost).
+  checkpoint (the steps after it are counted as lost). A stopped job's ranks get the job's
+  ``stop_grace_s`` to end (its final checkpoint included); then they are stopped the same
+  way and the job ends CANCELLED, the reason naming them.
 - **Resizes.** A new size decided by the scheduler ends the generation through the
   preemption path and starts the next one at that size; a placement on slots a shrinking job
   still holds waits until they are handed over (:mod:`nbtrain.core.resizeplan`).
@@ -575,12 +577,20 @@ class JobMachine:
             self._sched(SchedTick(self.now))
 
     def _tick_job(self, job: LiveJob, gen: Generation) -> None:
-        """Deadlines of one generation: a failure's grace, a preemption's grace, the hang and
-        startup watchdog."""
+        """Deadlines of one generation: a failure's grace, a preemption's, a stop's, the hang
+        and startup watchdog."""
         if gen.failures and not gen.finished():
             self._tick_failing(job, gen)
         elif job.preempt is not None and self.now > job.preempt.deadline and not gen.failing:
-            self._force_release(job, gen)
+            gen.forced = True  # stopped without their checkpoint
+            self._force_off(job, gen, "did not release its slots within the preemption grace "
+                                      "period", "preempted")
+        elif (job.stop_deadline is not None and self.now > job.stop_deadline
+              and not gen.failing):
+            gen.stop_forced = gen.unfinished()
+            self._force_off(job, gen, f"did not end within stop_grace_s "
+                                      f"({job.sub.policy.stop_grace_s:g} s) of its stop request",
+                            "stopped")
         else:
             self._watch(job, gen)
 
@@ -604,7 +614,7 @@ class JobMachine:
         policy = job.sub.policy
         waited = self.now - gen.failed_at
         if waited > policy.failure_grace_s:
-            self._force_end(job, gen)
+            self._force_off(job, gen, "had ranks stuck after a peer failed")
         elif waited > policy.peer_release_s and not gen.released:
             gen.released = True
             if self._kind_of(job) == GPU:  # NCCL has an abort; gloo does not
@@ -632,30 +642,23 @@ class JobMachine:
             self._out.publish(job, slow_event(self.wall, generation=gen.number,
                                               silent_s=verdict.silent_s, limit_s=verdict.limit_s))
 
-    def _force_end(self, job: LiveJob, gen: Generation) -> None:
-        """Ranks still running long after a peer failed are stuck: give up on them and restart
-        their workers (a Python thread cannot be killed; its process can)."""
+    def _force_off(self, job: LiveJob, gen: Generation, why: str,
+                   outcome: str | None = None) -> None:
+        """A grace ran out with ranks still running: cancel them and restart their workers (a
+        Python thread cannot be killed; its process can), then end the generation.
+        ``outcome``: what they count as ("preempted", "stopped"); None: failed (stuck after
+        a peer failed)."""
         stuck = gen.unfinished()
         self._out.add(Cancel(job.id, gen.number, stuck))
         for rank in stuck:
+            if outcome is not None:
+                gen.outcomes[rank] = {"outcome": outcome, "step": job.step, "forced": True}
+                continue
             self._record_failure(gen, rank, RankFailureInfo(
                 error="did not exit after a peer failed; its worker was restarted",
                 traceback="(no traceback)", host=self.inventory.host_of(gen.slots[rank]),
                 step=job.step, when=self.wall, peer=True))
-        self._restart_workers([gen.addresses[r] for r in stuck],
-                              f"job {job.name}: ranks stuck after a peer failed")
-        self._end_generation(job)
-
-    def _force_release(self, job: LiveJob, gen: Generation) -> None:
-        """The preemption grace ran out: stop the ranks without their checkpoint."""
-        stuck = gen.unfinished()
-        self._out.add(Cancel(job.id, gen.number, stuck))
-        gen.forced = True
-        for rank in stuck:
-            gen.outcomes[rank] = {"outcome": "preempted", "step": job.step, "forced": True}
-        self._restart_workers([gen.addresses[r] for r in stuck],
-                              f"job {job.name} did not release its slots within the "
-                              "preemption grace period")
+        self._restart_workers([gen.addresses[r] for r in stuck], f"job {job.name} {why}")
         self._end_generation(job)
 
     # ================================================================== ending a generation

@@ -65,8 +65,14 @@ class JobPolicy:
     setup_timeout_s: float = _WATCH.setup_timeout_s
     restore_timeout_s: float = _WATCH.restore_timeout_s
     rendezvous_timeout_s: float = _WATCH.rendezvous_timeout_s
+    #: A stopped job's ranks still running this long after the stop request are stopped
+    #: and their workers restarted (a stop waits for a final checkpoint, not forever).
+    stop_grace_s: float = 300.0
 
     def __post_init__(self) -> None:
+        if not self.stop_grace_s > 0:
+            raise ValueError(f"stop_grace_s must be > 0 seconds, got {self.stop_grace_s!r} "
+                             "(longer than a step plus two checkpoint commits)")
         self.watchdog()  # raises ValueError naming every bad bound
 
     def watchdog(self) -> WatchdogSettings:

@@ -28,7 +28,7 @@ from distributed import Client, LocalCluster
 from distributed.deploy import Cluster as DaskCluster
 
 from nbtrain.config import Settings
-from nbtrain.core.checkpoint_policy import parse_checkpoint_setting
+from nbtrain.core.checkpoint_policy import parse_checkpoint_setting, stop_grace_s
 from nbtrain.core.faults import Fault
 from nbtrain.core.job import JobSpec, default_name, status_progress
 from nbtrain.core.lifecycle_types import JobPolicy, JobSubmission
@@ -408,7 +408,9 @@ class Cluster:
                              restore_timeout_s=s.restore_timeout_s,
                              rendezvous_timeout_s=s.rendezvous_timeout_s,
                              peer_release_s=s.peer_release_s,
-                             failure_grace_s=s.failure_grace_s),
+                             failure_grace_s=s.failure_grace_s,
+                             stop_grace_s=stop_grace_s(s.checkpoint_commit_timeout_s,
+                                                       s.stop_grace_s)),
             resume_step=resume_step, knob_history=_replayed(replay))
         on_controller, here = split_trackers(trackers)
         tracked = [plain(t) for t in on_controller]
