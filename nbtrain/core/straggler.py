@@ -49,7 +49,7 @@ import numpy as np
 import numpy.typing as npt
 
 from nbtrain.core.records import PHASES, FloatArray, Phase, StepFrame, StepRecord
-from nbtrain.core.stragglercost import CostJudge, trimmed_mean
+from nbtrain.core.stragglercost import CostJudge, regrow, trimmed_mean
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -572,10 +572,10 @@ class StragglerDetector:
 
     def _resize_rings(self, r: int) -> None:
         pos = self._pos
-        self._votes, _ = _regrow(self._votes, pos, r, False)
-        self._excess, _ = _regrow(self._excess, pos, r, np.nan)
-        self._reference, _ = _regrow(self._reference, pos, r, np.nan)
-        self._steps_s, self._pos = _regrow(self._steps_s, pos, r, np.nan)
+        self._votes, _ = regrow(self._votes, pos, r, False)
+        self._excess, _ = regrow(self._excess, pos, r, np.nan)
+        self._reference, _ = regrow(self._reference, pos, r, np.nan)
+        self._steps_s, self._pos = regrow(self._steps_s, pos, r, np.nan)
 
     def _recent(self, k: int) -> IntArray:
         """Ring positions of the last ``k`` judged steps (fewer if the ring is shorter)."""
@@ -720,16 +720,6 @@ def _watched(s: StragglerSettings) -> BoolArray:
 
 def _ring_len(s: StragglerSettings) -> int:
     return max(s.window, s.confirm_steps, s.sustain_steps)
-
-
-def _regrow(ring: npt.NDArray[Any], pos: int, length: int, fill: Any) -> tuple[Any, int]:
-    """A ring of ``length`` entries with the most recent ones of ``ring`` (written up to
-    ``pos``), oldest first, and the position of the next write."""
-    chrono = np.roll(ring, -pos, axis=0)
-    keep = min(length, ring.shape[0])
-    out = np.full((length, *ring.shape[1:]), fill, dtype=ring.dtype)
-    out[:keep] = chrono[ring.shape[0] - keep:]
-    return out, keep % length
 
 
 __all__ = [

@@ -34,7 +34,7 @@ flapped between suspect and cleared all run long without being confirmed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -112,7 +112,7 @@ class CostJudge:
     def update_settings(self, settings: StragglerSettings) -> None:
         old, self._settings = self._settings, settings
         if noise_len(settings) != noise_len(old):
-            self._levels, self._pos = _regrow(self._levels, self._pos, noise_len(settings))
+            self._levels, self._pos = regrow(self._levels, self._pos, noise_len(settings))
         self._cache = None
 
     def record(self, excess_level: FloatArray, reference_level: FloatArray) -> None:
@@ -200,15 +200,16 @@ def noise_len(s: StragglerSettings) -> int:
     return s.noise_steps + s.confirm_steps
 
 
-def _regrow(ring: FloatArray, pos: int, length: int) -> tuple[FloatArray, int]:
+def regrow(ring: npt.NDArray[Any], pos: int, length: int, fill: Any = np.nan
+           ) -> tuple[Any, int]:
     """A ring of ``length`` entries with the most recent ones of ``ring`` (written up to
-    ``pos``), oldest first, and the position of the next write."""
+    ``pos``), oldest first, and the position of the next write; new entries are ``fill``."""
     chrono = np.roll(ring, -pos, axis=0)
     keep = min(length, ring.shape[0])
-    out: FloatArray = np.full((length, *ring.shape[1:]), np.nan)
+    out = np.full((length, *ring.shape[1:]), fill, dtype=ring.dtype)
     out[:keep] = chrono[ring.shape[0] - keep:]
     return out, keep % length
 
 
-__all__ = ["LOAD_WEIGHT", "CostJudge", "block_means", "noise_len", "sustained_excess",
-           "trimmed_mean"]
+__all__ = ["LOAD_WEIGHT", "CostJudge", "block_means", "noise_len", "regrow",
+           "sustained_excess", "trimmed_mean"]
