@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbtrain.core.checkpoint_policy import DEFAULT_COMMIT_TIMEOUT_S
+from nbtrain.core.checkpoint_policy import stop_grace_s as derived_stop_grace_s
 from nbtrain.core.faults import Fault
 from nbtrain.core.job import JobSpec
 from nbtrain.core.machine_events import RankEvent, UserRequest
@@ -67,7 +69,7 @@ class JobPolicy:
     rendezvous_timeout_s: float = _WATCH.rendezvous_timeout_s
     #: A stopped job's ranks still running this long after the stop request are stopped
     #: and their workers restarted (a stop waits for a final checkpoint, not forever).
-    stop_grace_s: float = 300.0
+    stop_grace_s: float = derived_stop_grace_s(DEFAULT_COMMIT_TIMEOUT_S)
 
     def __post_init__(self) -> None:
         if not self.stop_grace_s > 0:
