@@ -216,6 +216,30 @@ def test_kills_in_a_preemption_grace_period_and_right_after_a_shrink(tmp_path: P
         assert_params_equal(outs["elastic"], single_process_params(120), ranks=(0,))
 
 
+
+@pytest.mark.slow
+def test_a_stop_in_progress_survives_a_scheduler_kill(tmp_path: Path) -> None:
+    """The user's stop is journaled with the job: a job still stopping when the scheduler
+    dies (its rank 1 hung, so it cannot end) ends CANCELLED after the restart instead of
+    training again."""
+    settings = Settings.load(token_file=str(tmp_path / "tokens.json"), hang_floor_s=3600.0)
+    with standalone_cluster(2, logs=tmp_path / "logs", supervise=True) as cc, \
+            nbtrain.connect(cc.address, settings=settings) as c:
+        job = c.submit(Regression(step_sleep=0.01), world_size=2, steps=10**6, checkpoint=5,
+                       name="stopping", faults=[nbtrain.Fault("hang", rank=1, step=12)])
+        wait_for(lambda: any(e["kind"] == "fault_injected" for e in job.events), 180,
+                 "rank 1 hanging as step 12 starts")
+        job.stop()
+        wait_for(lambda: job.status is JobState.STOPPING, 30, "the stop recorded")
+        cc.kill_scheduler()
+        assert job.wait(300) is JobState.CANCELLED, job.reason
+        head, _, rest = job.reason.partition(": ")
+        assert head in ("stopped by user at step 5", "stopped by user at step 10"), job.reason
+        assert rest.startswith("the controller restarted while it was stopping, so it ends "
+                               "at its newest committed checkpoint"), job.reason
+        assert job.generation == 0  # no new generation was started
+
+
 def test_a_controller_on_thousands_of_ended_jobs_keeps_the_newest_in_memory(
         tmp_path: Path) -> None:
     """Replay is bounded by ``jobs_kept``, not by the history: 3,000 ended jobs in the

@@ -172,3 +172,22 @@ def test_requests_are_judged_by_the_machine() -> None:
     assert len(h.launches("el")[-1].addresses) == 3
     out = h.feed(request_from_wire, "el", "inject", Fault(kind="raise", rank=2))
     assert not h.of(Rejected, out), "rank 2 of the grown job is a real rank"
+
+
+def test_a_job_stopping_when_the_controller_restarts_ends_instead_of_training_on() -> None:
+    """The user's stop is part of what is carried: a restarted controller ends the job at its
+    newest committed checkpoint instead of queueing it to train again."""
+    h = Harness()
+    h.submit("a")
+    h.steps("a", 0, 30)
+    h.committed("a", 0, 20)
+    h.feed(request_from_wire, "a", "stop")
+    assert h.state("a") == "STOPPING"
+
+    n = carry_over(h, ["a"])
+    assert n.launches("a") == []
+    assert n.state("a") == "CANCELLED"
+    assert n.reason("a") == ("stopped by user at step 20: the controller restarted while it "
+                             "was stopping, so it ends at its newest committed checkpoint")
+    n.submit("b")  # the cluster is free for others
+    assert len(n.launches("b")) == 1

@@ -82,11 +82,20 @@ Next = EndJob | Relaunch | Admit | Suspend | Resume | Released | Failed | None
 # ====================================================================== submission
 def restore(job: LiveJob, carried: CarriedHistory, *, now: float, out: Outbox) -> None:
     """A job an earlier controller ran: its history continues, a fault records the restart
-    (no restart-budget charge); a held job stays PREEMPTED (``parked``: out of the gang
+    (no restart-budget charge); a job its user was stopping ends CANCELLED; a held job stays
+    PREEMPTED (``parked``: out of the gang
     scheduler until ``resume()``), any other waits for slots to resume from its newest
     committed checkpoint."""
     fault = job.restore(carried, now, out.wall)
     out.publish(job, {k: v for k, v in fault.items() if not k.startswith("_")})
+    if carried.stopping:  # the user's stop stands: no new generation
+        job.ledger.enter("ended", now)
+        job.ended = out.wall
+        out.set_state(job, JobState.CANCELLED,
+                      f"stopped by user at step {job.committed_step}: the "
+                      f"{CONTROLLER_RESTARTED} while it was stopping, so it ends at its newest "
+                      "committed checkpoint")
+        return
     if carried.held:
         job.parked = True
         job.ledger.enter("queued", now)

@@ -245,7 +245,8 @@ class LiveJob:
             faults=tuple({k: v for k, v in f.items() if not k.startswith("_")}
                          for f in self.fault_log),
             planned=tuple(f.to_dict() for f in self.planned), fired=tuple(sorted(self.fired)),
-            held=self.state is JobState.PREEMPTED, target=self.plan.target,
+            held=self.state is JobState.PREEMPTED, stopping=self.stop_requested,
+            target=self.plan.target,
             last_size=self.plan.last_size, submitted=self.submitted, started=self.started,
             knobs=self.knobs.wire())
 

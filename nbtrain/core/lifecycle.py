@@ -236,7 +236,7 @@ class JobMachine:
         self._jobs[job.id] = job
         if sub.carried is not None:
             jobflow.restore(job, sub.carried, now=self.now, out=self._out)
-            if job.parked:
+            if job.parked or job.state.terminal:
                 return
         self._out.publish(job, state_event(self.wall, job.state.value, job.reason))
         if self.sched is None:

@@ -107,6 +107,8 @@ class CarriedHistory:
     fired: tuple[str, ...] = ()
     #: Preempted by its user: stays PREEMPTED until ``resume()``.
     held: bool = False
+    #: Its user had asked it to stop: it ends at its newest committed checkpoint.
+    stopping: bool = False
     target: int = 0
     last_size: int | None = None
     submitted: float = 0.0
