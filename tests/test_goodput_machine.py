@@ -56,9 +56,12 @@ def test_a_goodput_jobs_status_carries_its_curve_and_a_fixed_jobs_does_not() -> 
     [measured] = [p for p in points if "step_s" in p]
     assert measured["size"] == 2.0 and measured["step_s"] == pytest.approx(0.02)
     assert measured["steps"] >= 1 and measured["speedup"] == pytest.approx(1.0)
-    # one size measured: perfect scaling assumed, trusted nowhere
-    assert [p["speedup"] for p in points] == pytest.approx([0.5, 1.0, 1.5, 2.0])
-    assert all(p["confidence"] == 0.0 for p in points)
+    # one size measured with its phase split (compute 80% of the step, no all-reduce): the
+    # compute shrinks with more ranks, the rest stays; half trusted where it was measured
+    assert [p["speedup"] for p in points] == pytest.approx([0.02 / 0.036, 1.0, 0.02 / (
+        0.004 + 0.032 / 3), 0.02 / 0.012])
+    assert [p["confidence"] for p in points] == pytest.approx([0.25, 0.5, 0.5 * 2 ** -0.585,
+                                                              0.25], rel=1e-2)
     assert h.m.status("f").speedup == ()
     assert h.m.status("g").to_dict()["speedup"][1]["size"] == 2.0
 

@@ -166,3 +166,37 @@ def test_points_cover_the_multiples_of_the_replica_in_the_bounds() -> None:
     assert [p["size"] for p in m.points_between(3, 8, 2)] == [4.0, 6.0, 8.0]
     assert [p["size"] for p in m.points_between(1, 3)] == [1.0, 2.0, 3.0]
     assert all("step_s" not in p for p in m.points_between(1, 3))  # nothing measured yet
+
+
+def test_one_size_with_its_phase_split_gives_a_first_curve() -> None:
+    truth = StepTimeCurve(a=0.01, b=1.0, c=0.05, d=0.0)  # d = 0: one size recovers it exactly
+    m = GoodputModel(ref_size=4)
+    step = truth.step_s(4)
+    m.observe(4, step, 50.0, compute_s=truth.b / 4, comm_s=truth.c)
+    curve = m.curve()
+    assert curve is not None
+    for n in (2, 4, 8):
+        assert curve.step_s(n) == pytest.approx(truth.step_s(n))
+    assert curve.step_s(1) == pytest.approx(truth.a + truth.b)  # no all-reduce alone
+    assert 0.0 < m.confidence(8) < m.confidence(4) <= 0.5  # one size: half a second one
+    assert m.speedup(16) == pytest.approx(m.speedup(8))  # still valued up to 2x only
+    m.observe(8, truth.step_s(8) * 1.1, 50.0)  # a second size: the step-time fit takes over
+    fitted = m.curve()
+    assert fitted is not None and fitted.step_s(8) == pytest.approx(truth.step_s(8) * 1.1)
+
+
+def test_a_split_that_says_nothing_is_ignored() -> None:
+    for compute, comm in ((0.0, 0.0), (float("nan"), 0.1), (0.2, -1.0), (0.2, float("inf"))):
+        m = GoodputModel(ref_size=4)
+        m.observe(4, 0.5, 10.0, compute_s=compute, comm_s=comm)
+        assert m.curve() is None and m.speedup(8) == pytest.approx(2.0)  # exploration prior
+
+
+def test_a_split_that_overruns_the_step_is_scaled_into_it() -> None:
+    from nbtrain.core.speedup import split_curve
+
+    c = split_curve(2, 1.0, compute_s=0.9, comm_s=0.3)  # phases timed apart: 1.2 s of 1 s
+    assert c.a == pytest.approx(0.0) and c.step_s(2) == pytest.approx(1.0)
+    assert c.c == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="step_s must be a positive"):
+        split_curve(2, 0.0, compute_s=0.1, comm_s=0.1)

@@ -250,3 +250,37 @@ def test_step_times_that_grow_with_the_size_never_break_the_pass() -> None:
     ds = _run(s, Submit(400.0, JobRequest(job_id="big", size=14)))
     assert {d.job_id: d.placement.world_size for d in ds
             if isinstance(d, ResizeJob | StartJob)} == {"comm": 2, "big": 14}
+
+
+def test_idle_slots_go_where_a_rank_second_saves_most_of_a_run() -> None:
+    from nbtrain.core import goodput_sizing
+    from nbtrain.core.goodputmodel import GoodputModel
+
+    def model(curve: StepTimeCurve) -> GoodputModel:
+        m = GoodputModel(ref_size=4)
+        for n in (2, 4, 8, 16):
+            m.observe(n, curve.step_s(n), 100.0)
+        return m
+
+    good, poor = model(GOOD), model(POOR)
+    assert goodput_sizing.time_return(good, 4, 4) > goodput_sizing.time_return(poor, 4, 4) > 0
+    flat = GoodputModel(ref_size=4)
+    flat.observe(4, 1.0)
+    flat.observe(8, 1.0)
+    assert goodput_sizing.time_return(flat, 4, 4) == 0.0  # saves nothing
+    assert goodput_sizing.time_return(GoodputModel(ref_size=4), 4, 4) == float("inf")
+    cands = [goodput_sizing.Candidate(name, m, 4, 2, 16, 2)
+             for name, m in (("good", good), ("poor", poor))]
+    plan = {c.job_id: c.new for c in goodput_sizing.rebalance(
+        cands, 8, min_gain=0.05, min_confidence=0.3)}
+    assert plan["good"] > 4 and plan.get("poor", 4) < plan["good"]
+    # A run's second worth under a rank: neither grows, though 8 slots are idle (good's
+    # next replica saves about 1 s of its run per rank-second added).
+    assert goodput_sizing.rebalance(cands, 8, min_gain=0.05, min_confidence=0.3,
+                                    value_ranks=0.5) == []
+
+
+def test_goodput_value_ranks_is_validated() -> None:
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="goodput_value_ranks must be a positive"):
+            SchedulerConfig(goodput_value_ranks=bad)

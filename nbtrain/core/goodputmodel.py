@@ -7,15 +7,19 @@ same at every size when the global batch is fixed). The scheduler compares sizes
 through ``speedup(n) = goodput(n) / goodput(ref_size)``, ``ref_size`` being the size its user
 asked for, so jobs of any speed weigh alike.
 
-Exploration: a job starts at the size it asked for, with no curve. Until it has been measured
-at two sizes the model assumes perfect scaling from the sizes it knows (every rank adds what
-the measured ones do), up to ``explore_factor`` (2) times the largest size measured, and no gain
-beyond (Pollux caps exploration the same way). So the first curve fills in when the scheduler
-moves the job anyway (a shrink for a waiting job, growth into idle slots), and each new size
-refits it.
+Exploration: a job starts at the size it asked for, with no curve. Its first step times come
+with how each step splits (``compute_s``, ``comm_s``: the ranks' step rows time each phase),
+and that split at one size is the first curve (``nbtrain.core.speedup.split_curve``: compute
+shrinks with the per-rank batch, the all-reduce stays). Measured at one size without a split,
+the model assumes perfect scaling from the sizes it knows (every rank adds what the measured
+ones do). Either way the curve is valued up to ``explore_factor`` (2) times the largest size
+measured, and no gain beyond (Pollux caps exploration the same way). Each new size the
+scheduler moves the job to (a shrink for a waiting job, growth into idle slots) refits the
+curve on the step times alone.
 
 Confidence, in [0, 1], is a heuristic product of three factors: *support*,
-``1 - 1/k`` for ``k`` distinct sizes measured (0 with one: a single size fixes no shape);
+``1 - 1/k`` for ``k`` distinct sizes measured (0 with one, or 1/2 with its phase split: a
+single step time fixes no shape, its split a likely one);
 *coverage*, 1 inside the measured range and halving per doubling outside it; *quality*,
 ``exp(-(rms residual + mean relative standard error) / noise_tolerance)``, so a curve that
 fits badly, or rests on noisy means, counts for less.
@@ -28,7 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from nbtrain.core.gradnoise import efficiency
-from nbtrain.core.speedup import SizeStats, StepTimeCurve, fit_step_time
+from nbtrain.core.speedup import SizeStats, StepTimeCurve, fit_step_time, split_curve
 
 __all__ = ["GoodputModel", "GoodputSettings"]
 
@@ -66,6 +70,8 @@ class GoodputModel:
     settings: GoodputSettings = field(default_factory=GoodputSettings)
     noise_scale: float | None = None
     _stats: dict[int, SizeStats] = field(default_factory=dict)
+    #: per size: (steps, their summed compute seconds, their summed all-reduce seconds)
+    _split: dict[int, tuple[float, float, float]] = field(default_factory=dict)
     _fit: tuple[StepTimeCurve, float] | None = None
     _stale: bool = False
 
@@ -74,11 +80,19 @@ class GoodputModel:
             raise ValueError(f"ref_size must be >= 1, got {self.ref_size!r}")
 
     # ------------------------------------------------------------------ input
-    def observe(self, size: int, step_s: float, steps: float = 1.0) -> None:
-        """A mean step time measured at ``size`` ranks over ``steps`` steps."""
+    def observe(self, size: int, step_s: float, steps: float = 1.0, *,
+                compute_s: float | None = None, comm_s: float | None = None) -> None:
+        """A mean step time measured at ``size`` ranks over ``steps`` steps, and optionally
+        the mean compute and all-reduce seconds of those steps (a split without compute time,
+        untimed, or with a part that is not a finite number >= 0 is ignored; the step time
+        still counts)."""
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size!r}")
         self._stats.setdefault(size, SizeStats()).add(step_s, steps)
+        if (compute_s is not None and comm_s is not None and compute_s > 0 and comm_s >= 0
+                and math.isfinite(compute_s + comm_s)):
+            n, comp, comm = self._split.get(size, (0.0, 0.0, 0.0))
+            self._split[size] = (n + steps, comp + compute_s * steps, comm + comm_s * steps)
         self._stale = True
 
     @property
@@ -87,14 +101,27 @@ class GoodputModel:
         return tuple(sorted(self._stats))
 
     def curve(self) -> StepTimeCurve | None:
-        """The fitted curve, once two sizes are measured (else ``None``)."""
-        if len(self._stats) < 2:
+        """The fitted curve, once two sizes are measured or one with its phase split (else
+        ``None``)."""
+        if len(self._stats) < 2 and not self._one_split():
             return None
         if self._stale or self._fit is None:
-            self._fit = fit_step_time(self._stats.items(), global_batch=self.global_batch,
-                                      per_rank_batch=self.per_rank_batch)
+            self._fit = self._refit()
             self._stale = False
         return None if self._fit is None else self._fit[0]
+
+    def _one_split(self) -> bool:
+        return len(self._stats) == 1 and next(iter(self._stats)) in self._split
+
+    def _refit(self) -> tuple[StepTimeCurve, float] | None:
+        if not self._one_split():
+            return fit_step_time(self._stats.items(), global_batch=self.global_batch,
+                                 per_rank_batch=self.per_rank_batch)
+        (size, stats), = self._stats.items()
+        steps, comp, comm = self._split[size]
+        return split_curve(size, stats.mean, comp / steps, comm / steps,
+                           global_batch=self.global_batch,
+                           per_rank_batch=self.per_rank_batch), 0.0
 
     # ------------------------------------------------------------------ output
     def _batch(self, n: int) -> float:
@@ -135,9 +162,9 @@ class GoodputModel:
     def confidence(self, n: int) -> float:
         """How far to trust ``goodput(n)``, in [0, 1] (see the module docstring)."""
         k = len(self._stats)
-        if k < 2 or self.curve() is None or self._fit is None:
+        if self.curve() is None or self._fit is None:
             return 0.0
-        support = 1.0 - 1.0 / k
+        support = 1.0 - 1.0 / max(k, 2)  # one size with its split counts as two
         lo, hi = min(self._stats), max(self._stats)
         edge = lo if n < lo else hi if n > hi else n
         coverage = math.pow(0.5, abs(math.log2(n / edge)))

@@ -75,7 +75,8 @@ WARMUP_STEPS = 2
 
 def step_times(job: LiveJob, ev: RankEvent, now: float) -> StepTimes | None:
     """Rank 0's step rows of a goodput-sized job's current generation as the scheduler's
-    ``StepTimes`` (their mean step time at the generation's size), past the generation's
+    ``StepTimes`` (their mean step, compute and all-reduce times at the generation's size;
+    ``GoodputModel`` ignores a split that is not finite), past the generation's
     first ``WARMUP_STEPS`` rows; None for other jobs and for rows all within the warm-up."""
     gen = job.gen
     if (job.spec.sizing != "goodput" or not isinstance(ev, RankSteps) or ev.rank != 0
@@ -83,15 +84,20 @@ def step_times(job: LiveJob, ev: RankEvent, now: float) -> StepTimes | None:
         return None
     skip = max(0, WARMUP_STEPS - gen.timed_rows)
     gen.timed_rows += len(ev.rows)
-    times = [t for t in (float(row[_STEP_S]) for row in ev.rows[skip:])
-             if t > 0 and math.isfinite(t)]
-    if not times:
+    rows = [(float(row[_STEP_S]), float(row[_COMPUTE_S]), float(row[_COMM_S]))
+            for row in ev.rows[skip:]]
+    rows = [r for r in rows if r[0] > 0 and math.isfinite(r[0])]
+    if not rows:
         return None
-    return StepTimes(now, job.id, gen.size, sum(times) / len(times), float(len(times)),
-                     noise_scale=job.noise_scale)
+    n = len(rows)
+    step, compute, comm = (sum(col) / n for col in zip(*rows, strict=True))
+    return StepTimes(now, job.id, gen.size, step, float(n), noise_scale=job.noise_scale,
+                     compute_s=compute, comm_s=comm)
 
 
 _STEP_S = ROW_COLUMNS.index("step_s")
+_COMPUTE_S = ROW_COLUMNS.index("compute_s")
+_COMM_S = ROW_COLUMNS.index("comm_s")
 
 
 def _progress(job: LiveJob, gen: Generation, ev: RankSteps | RankPhase | RankDevice,

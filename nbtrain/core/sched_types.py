@@ -246,7 +246,9 @@ class WorkersForgotten:
 @dataclass(frozen=True)
 class StepTimes:
     """A job's mean step time over ``steps`` steps at ``size`` ranks (for goodput sizing;
-    ignored for other jobs); optionally its gradient noise scale (samples)."""
+    ignored for other jobs); optionally its gradient noise scale (samples) and how the step
+    splits: ``compute_s`` (forward and backward, which shrink as the per-rank batch does) and
+    ``comm_s`` (waiting for the gradient all-reduce), means over the same steps."""
 
     now: float
     job_id: str
@@ -254,6 +256,8 @@ class StepTimes:
     step_s: float
     steps: float = 1.0
     noise_scale: float | None = None
+    compute_s: float | None = None
+    comm_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -347,7 +351,8 @@ class SchedulerConfig:
         over (shrinks for a lost worker or a waiting job are not held back).
     goodput_interval_s: a goodput-sized job is resized by its goodput at most this long
         after its last start or resize (Pollux reconsiders every 60 s; a restart costs
-        ``restart_cost_s``, so this should be several times that).
+        ``restart_cost_s``, so this should be a few times that; 120 s gave a mean JCT 4%
+        lower than 300 s on ``benchmarks/goodput.py``'s full trace, 2026-12-05).
     goodput_check_s: how often the scheduler looks at goodput-sized jobs at all (bounds the
         cost of a decision on a busy queue).
     goodput_knee: while jobs wait, a goodput-sized job gives back the ranks whose marginal
@@ -360,6 +365,11 @@ class SchedulerConfig:
         arrive, and noise in the measurements must not move it (the hysteresis).
     goodput_min_confidence: model confidence (``GoodputModel.confidence``) needed, at the
         current and the new size, before a job is shrunk on its curve's word.
+    goodput_value_ranks: how many ranks one second of a goodput-sized job's run is worth.
+        Idle slots go to the jobs whose run each added rank-second shortens most, and a job
+        grows by a replica only while each rank-second it adds saves at least
+        ``1 / goodput_value_ranks`` of a second of its run: past that a job holds slots it
+        barely uses, which arriving jobs then take back at a restart each.
     """
 
     order: str = "priority"
@@ -377,11 +387,12 @@ class SchedulerConfig:
     elastic_grow: bool = True
     can_grow: bool = False
     min_resize_interval_s: float = 0.0
-    goodput_interval_s: float = 300.0
+    goodput_interval_s: float = 120.0
     goodput_check_s: float = 30.0
     goodput_knee: float = 0.5
     goodput_min_gain: float = 0.25
     goodput_min_confidence: float = 0.3
+    goodput_value_ranks: float = 256.0
 
     def __post_init__(self) -> None:
         if self.order not in ("priority", "fifo"):
@@ -410,6 +421,9 @@ class SchedulerConfig:
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {v!r}")
+        if not (self.goodput_value_ranks > 0 and math.isfinite(self.goodput_value_ranks)):
+            raise ValueError(f"goodput_value_ranks must be a positive number of ranks, got "
+                             f"{self.goodput_value_ranks!r}")
 
     def weight(self, team: str) -> float:
         return float(self.team_weights.get(team, 1.0))

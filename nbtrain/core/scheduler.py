@@ -162,7 +162,8 @@ class Scheduler(JobBook):
         """Measured step times feed a goodput-sized job's model (other jobs have none)."""
         model = self._models.get(ev.job_id)
         if model is not None:
-            model.observe(ev.size, ev.step_s, ev.steps)
+            model.observe(ev.size, ev.step_s, ev.steps, compute_s=ev.compute_s,
+                          comm_s=ev.comm_s)
             if ev.noise_scale is not None:
                 model.noise_scale = ev.noise_scale
 
@@ -340,7 +341,8 @@ class Scheduler(JobBook):
         recs = {c.job_id: j for j, c in cands}
         plan = goodput_sizing.rebalance([c for _, c in cands], self._state.n_free,
                                         min_gain=cfg.goodput_min_gain,
-                                        min_confidence=cfg.goodput_min_confidence)
+                                        min_confidence=cfg.goodput_min_confidence,
+                                        value_ranks=cfg.goodput_value_ranks)
         for change in plan:
             j = recs[change.job_id]
             if change.new < j.size:

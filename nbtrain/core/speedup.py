@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["SizeStats", "StepTimeCurve", "fit_step_time"]
+__all__ = ["SizeStats", "StepTimeCurve", "fit_step_time", "split_curve"]
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -150,3 +150,24 @@ def fit_step_time(stats: Iterable[tuple[int, SizeStats]], *, global_batch: float
     pred = np.asarray([curve.step_s(int(n)) for n, _ in rows])
     rms = math.sqrt(float((counts * ((pred - t) / t) ** 2).sum() / counts.sum()))
     return curve, rms
+
+
+def split_curve(size: int, step_s: float, compute_s: float, comm_s: float, *,
+                global_batch: float = 1.0,
+                per_rank_batch: float | None = None) -> StepTimeCurve:
+    """The curve one size's phase split gives (Pollux profiles a job the same way before it
+    has run at a second size): compute is ``b * m(size)``, the all-reduce ``c`` (``d`` = 0:
+    one size cannot tell a constant from a growing all-reduce), the rest of the step ``a``.
+    At one rank there is no all-reduce, so ``c`` is 0 and the curve scales but for ``a``."""
+    if not (step_s > 0 and math.isfinite(step_s)):
+        raise ValueError(f"step_s must be a positive number of seconds, got {step_s!r}")
+    if not (compute_s >= 0 and comm_s >= 0 and math.isfinite(compute_s + comm_s)):
+        raise ValueError(f"compute_s and comm_s must be seconds >= 0, got {compute_s!r} and "
+                         f"{comm_s!r}")
+    part = min(compute_s + comm_s, step_s)  # phases measured apart may overrun the step
+    compute = compute_s * part / (compute_s + comm_s) if part > 0 else 0.0
+    comm = part - compute if size > 1 else 0.0
+    probe = StepTimeCurve(0.0, 1.0, 0.0, 0.0, global_batch, per_rank_batch)
+    local = probe.batch(size) / size
+    return StepTimeCurve(step_s - part, compute / local, comm, 0.0, global_batch,
+                         per_rank_batch)

@@ -15,7 +15,8 @@ back to its last periodic checkpoint); each restart costs ``restart_s`` before p
 Under ``policy="goodput"`` (nbtrain's policy with the trace's elastic jobs goodput-sized) the
 simulator also plays the ranks' part of measuring: ``measure_after_s`` after each start or
 resize of such a job, and every ``measure_every_s`` after that, it sends ``StepTimes`` with
-the curve's step time at the job's size, with ``measure_noise`` relative jitter.
+the curve's step time at the job's size and its compute and communication parts (as the
+ranks' step rows split them), with ``measure_noise`` relative jitter.
 """
 
 from __future__ import annotations
@@ -181,8 +182,10 @@ def simulate_gang(
             if run.idx is None:
                 continue  # it finished in this generation
             n = int(run.idx.shape[0])
-            step = run.job.step_s(n) * run.slowdown * float(noise.lognormal(0.0, measure_noise))
-            event = StepTimes(t, job_id, n, step, steps=100.0)
+            scale = run.slowdown * float(noise.lognormal(0.0, measure_noise))
+            compute, comm = run.job.phases_s(n)
+            event = StepTimes(t, job_id, n, run.job.step_s(n) * scale, steps=100.0,
+                              compute_s=compute * scale, comm_s=comm * scale)
             seq += 1
             heapq.heappush(heap, (t + measure_every_s, 1, seq, "measure", job_id, gen))
         elif kind == "finish":

@@ -69,11 +69,17 @@ class TraceJob:
     def step_s(self, ranks: int) -> float:
         """Seconds per step at ``ranks`` (one per step on a single replica); without a
         curve, perfect scaling."""
+        compute, comm = self.phases_s(ranks)
+        return (self.serial or 0.0) + compute + comm
+
+    def phases_s(self, ranks: int) -> tuple[float, float]:
+        """``step_s(ranks)``'s compute (the part that shrinks with more replicas) and
+        communication (the gradient all-reduce, from the second replica on) seconds."""
         k = max(1, ranks // (self.tp * self.pp))
         if self.serial is None or self.sync is None or self.sync_per_rank is None:
-            return 1.0 / k
+            return 1.0 / k, 0.0
         sync = self.sync + self.sync_per_rank * (k - 1) if k > 1 else 0.0
-        return self.serial + (1.0 - self.serial) / k + sync
+        return (1.0 - self.serial) / k, sync
 
     def request(self, sizing: str = "fixed") -> JobRequest:
         """The scheduler's request; ``sizing="goodput"`` opts an elastic job in (others
