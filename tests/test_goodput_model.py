@@ -200,3 +200,32 @@ def test_a_split_that_overruns_the_step_is_scaled_into_it() -> None:
     assert c.c == pytest.approx(0.25)
     with pytest.raises(ValueError, match="step_s must be a positive"):
         split_curve(2, 0.0, compute_s=0.1, comm_s=0.1)
+
+
+def test_two_sizes_with_their_splits_fix_all_four_terms() -> None:
+    truth = StepTimeCurve(a=0.01, b=1.0, c=0.05, d=0.004)
+    m = GoodputModel(ref_size=2)
+    for n in (2, 8):
+        comm = truth.c + truth.d * (n - 1)
+        m.observe(n, truth.step_s(n), 30.0, compute_s=truth.b / n, comm_s=comm)
+    curve = m.curve()
+    assert curve is not None
+    assert (curve.a, curve.b, curve.c, curve.d) == pytest.approx(
+        (truth.a, truth.b, truth.c, truth.d))  # the step times alone allow two terms
+    assert curve.step_s(32) == pytest.approx(truth.step_s(32))
+    m.observe(4, truth.step_s(4), 30.0)  # a size without its split: the step-time fit
+    fitted = m.curve()
+    assert fitted is not None and sum(v > 0 for v in (fitted.a, fitted.b, fitted.c,
+                                                      fitted.d)) <= 3
+
+
+def test_a_split_fit_with_one_rank_measured_has_no_all_reduce_there() -> None:
+    from nbtrain.core.speedup import fit_split
+
+    fit = fit_split([(1, 10.0, 1.0, 0.9, 0.0), (4, 10.0, 0.4, 0.225, 0.075)])
+    assert fit is not None
+    curve, rms = fit
+    assert curve.b == pytest.approx(0.9) and curve.c == pytest.approx(0.075)
+    assert curve.d == 0.0 and curve.step_s(1) == pytest.approx(1.0)
+    assert rms < 0.05
+    assert fit_split([]) is None

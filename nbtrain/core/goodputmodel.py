@@ -15,7 +15,9 @@ the model assumes perfect scaling from the sizes it knows (every rank adds what 
 ones do). Either way the curve is valued up to ``explore_factor`` (2) times the largest size
 measured, and no gain beyond (Pollux caps exploration the same way). Each new size the
 scheduler moves the job to (a shrink for a waiting job, growth into idle slots) refits the
-curve on the step times alone.
+curve: term by term from the phases when every size measured has its split
+(``nbtrain.core.speedup.fit_split``, as Pollux fits compute and synchronisation apart: two
+sizes then fix all four terms), else on the step times alone.
 
 Confidence, in [0, 1], is a heuristic product of three factors: *support*,
 ``1 - 1/k`` for ``k`` distinct sizes measured (0 with one, or 1/2 with its phase split: a
@@ -32,7 +34,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from nbtrain.core.gradnoise import efficiency
-from nbtrain.core.speedup import SizeStats, StepTimeCurve, fit_step_time, split_curve
+from nbtrain.core.speedup import (
+    SizeStats,
+    StepTimeCurve,
+    fit_split,
+    fit_step_time,
+    split_curve,
+)
 
 __all__ = ["GoodputModel", "GoodputSettings"]
 
@@ -114,14 +122,20 @@ class GoodputModel:
         return len(self._stats) == 1 and next(iter(self._stats)) in self._split
 
     def _refit(self) -> tuple[StepTimeCurve, float] | None:
-        if not self._one_split():
-            return fit_step_time(self._stats.items(), global_batch=self.global_batch,
-                                 per_rank_batch=self.per_rank_batch)
-        (size, stats), = self._stats.items()
-        steps, comp, comm = self._split[size]
-        return split_curve(size, stats.mean, comp / steps, comm / steps,
-                           global_batch=self.global_batch,
-                           per_rank_batch=self.per_rank_batch), 0.0
+        if self._one_split():
+            (size, stats), = self._stats.items()
+            steps, comp, comm = self._split[size]
+            return split_curve(size, stats.mean, comp / steps, comm / steps,
+                               global_batch=self.global_batch,
+                               per_rank_batch=self.per_rank_batch), 0.0
+        if all(n in self._split for n in self._stats):
+            return fit_split(((n, s.count, s.mean, self._split[n][1] / self._split[n][0],
+                               self._split[n][2] / self._split[n][0])
+                              for n, s in self._stats.items()),
+                             global_batch=self.global_batch,
+                             per_rank_batch=self.per_rank_batch)
+        return fit_step_time(self._stats.items(), global_batch=self.global_batch,
+                             per_rank_batch=self.per_rank_batch)
 
     # ------------------------------------------------------------------ output
     def _batch(self, n: int) -> float:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["SizeStats", "StepTimeCurve", "fit_step_time", "split_curve"]
+__all__ = ["SizeStats", "StepTimeCurve", "fit_split", "fit_step_time", "split_curve"]
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -171,3 +171,38 @@ def split_curve(size: int, step_s: float, compute_s: float, comm_s: float, *,
     local = probe.batch(size) / size
     return StepTimeCurve(step_s - part, compute / local, comm, 0.0, global_batch,
                          per_rank_batch)
+
+
+def fit_split(rows: Iterable[tuple[int, float, float, float, float]], *,
+              global_batch: float = 1.0,
+              per_rank_batch: float | None = None) -> tuple[StepTimeCurve, float] | None:
+    """Fit the curve term by term from ``(size, steps, step_s, compute_s, comm_s)`` means:
+    ``b`` from the compute, ``c`` and ``d`` from the all-reduce at the sizes above one rank
+    (``d`` only once two such sizes are known), ``a`` from what is left of the step. Each
+    phase pins its own terms, so two sizes give all four. Returns (curve, rms relative
+    residual of the step times) like ``fit_step_time``, or ``None`` with no rows."""
+    data = [r for r in rows if r[1] > 0]
+    if not data:
+        return None
+    probe = StepTimeCurve(0.0, 1.0, 0.0, 0.0, global_batch, per_rank_batch)
+    n = np.asarray([float(r[0]) for r in data])
+    w = np.asarray([r[1] for r in data])
+    step, compute, comm = (np.asarray([r[k] for r in data]) for k in (2, 3, 4))
+    local = np.asarray([probe.batch(int(k)) / k for k in n])
+    b = float((w * compute / local).sum() / w.sum())
+    multi = n > 1
+    c = d = 0.0
+    if multi.any():
+        c = float((w[multi] * comm[multi]).sum() / w[multi].sum())
+        if len(set(n[multi].tolist())) >= 2:
+            x = np.stack([np.ones(int(multi.sum())), n[multi] - 1], axis=1) * np.sqrt(
+                w[multi])[:, None]
+            coef, *_ = np.linalg.lstsq(x, comm[multi] * np.sqrt(w[multi]), rcond=None)
+            if (coef >= 0).all():
+                c, d = float(coef[0]), float(coef[1])
+    rest = step - compute - np.where(multi, comm, 0.0)
+    a = max(0.0, float((w * rest).sum() / w.sum()))
+    curve = StepTimeCurve(a, b, c, d, global_batch, per_rank_batch)
+    pred = np.asarray([curve.step_s(int(k)) for k in n])
+    rms = math.sqrt(float((w * ((pred - step) / step) ** 2).sum() / w.sum()))
+    return curve, rms
