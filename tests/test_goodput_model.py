@@ -229,3 +229,15 @@ def test_a_split_fit_with_one_rank_measured_has_no_all_reduce_there() -> None:
     assert curve.d == 0.0 and curve.step_s(1) == pytest.approx(1.0)
     assert rms < 0.05
     assert fit_split([]) is None
+
+
+def test_compute_that_does_not_shrink_with_the_batch_is_not_taken_to_scale() -> None:
+    # The live test's flat job: its compute phase takes the same time at one rank and at two
+    # (a fixed cost, or a device a smaller batch leaves idle), so more ranks do not help.
+    m = GoodputModel(ref_size=1)
+    m.observe(1, 0.13, 30.0, compute_s=0.12, comm_s=0.0)
+    m.observe(2, 0.135, 30.0, compute_s=0.12, comm_s=0.005)
+    curve = m.curve()
+    assert curve is not None and curve.b == pytest.approx(0.0, abs=1e-9)
+    assert m.speedup(2) == pytest.approx(0.13 / 0.135)
+    assert m.speedup(2) < 1.0

@@ -178,9 +178,11 @@ def fit_split(rows: Iterable[tuple[int, float, float, float, float]], *,
               per_rank_batch: float | None = None) -> tuple[StepTimeCurve, float] | None:
     """Fit the curve term by term from ``(size, steps, step_s, compute_s, comm_s)`` means:
     ``b`` from the compute, ``c`` and ``d`` from the all-reduce at the sizes above one rank
-    (``d`` only once two such sizes are known), ``a`` from what is left of the step. Each
-    phase pins its own terms, so two sizes give all four. Returns (curve, rms relative
-    residual of the step times) like ``fit_step_time``, or ``None`` with no rows."""
+    (``d`` only once two such sizes are known), ``a`` from what is left of the step plus any
+    compute that does not shrink with the per-rank batch (a line through the compute at two
+    sizes or more). Each phase pins its own terms, so two sizes give all four. Returns
+    (curve, rms relative residual of the step times) like ``fit_step_time``, or ``None``
+    with no rows."""
     data = [r for r in rows if r[1] > 0]
     if not data:
         return None
@@ -189,7 +191,9 @@ def fit_split(rows: Iterable[tuple[int, float, float, float, float]], *,
     w = np.asarray([r[1] for r in data])
     step, compute, comm = (np.asarray([r[k] for r in data]) for k in (2, 3, 4))
     local = np.asarray([probe.batch(int(k)) / k for k in n])
-    b = float((w * compute / local).sum() / w.sum())
+    # Compute that divides with the per-rank batch (b), and any that does not (it joins a:
+    # a small batch that leaves a device underused, a fixed cost inside the compute phase).
+    fixed, b = _nonneg_line(local, compute, w)
     multi = n > 1
     c = d = 0.0
     if multi.any():
@@ -201,8 +205,28 @@ def fit_split(rows: Iterable[tuple[int, float, float, float, float]], *,
             if (coef >= 0).all():
                 c, d = float(coef[0]), float(coef[1])
     rest = step - compute - np.where(multi, comm, 0.0)
-    a = max(0.0, float((w * rest).sum() / w.sum()))
+    a = max(0.0, float((w * rest).sum() / w.sum())) + fixed
     curve = StepTimeCurve(a, b, c, d, global_batch, per_rank_batch)
     pred = np.asarray([curve.step_s(int(k)) for k in n])
     rms = math.sqrt(float((w * ((pred - step) / step) ** 2).sum() / w.sum()))
     return curve, rms
+
+
+def _nonneg_line(x: FloatArray, y: FloatArray, w: FloatArray) -> tuple[float, float]:
+    """Weighted least squares ``y ~ p + q*x`` with ``p, q >= 0`` (through the origin with one
+    distinct ``x``): the best of the full line and each one-term line that is >= 0."""
+    sw = np.sqrt(w)
+    q_only = float((w * x * y).sum() / (w * x * x).sum())
+    best = (0.0, max(q_only, 0.0))
+    if len(set(x.tolist())) < 2:
+        return best
+    cols = np.stack([np.ones_like(x), x], axis=1)
+
+    def err(p: float, q: float) -> float:
+        return float((w * (p + q * x - y) ** 2).sum())
+
+    (p, q), *_ = np.linalg.lstsq(cols * sw[:, None], y * sw, rcond=None)
+    options = [best, (float((w * y).sum() / w.sum()), 0.0)]
+    if p >= 0 and q >= 0:
+        options.append((float(p), float(q)))
+    return min(options, key=lambda pq: err(*pq))
