@@ -22,7 +22,9 @@ Figures (medians over kills where named so):
   uninterrupted single-process twin over the same global batches;
 - ``workers_back_s``: kill to both slots online again in the new controller;
 - ``resume_s``: workers back to the first step of the resumed job (rank 0's row);
-- ``client_notice_s``: kill to the job's handle saying the controller is unreachable;
+- ``client_notice_s``: kill to the job's handle saying the controller is unreachable
+  (median over the kills it noticed; ``client_unnoticed`` counts restarts faster than a
+  follow call, which a handle may not see: it sees a controller only through its calls);
 - ``restart_replay_s``: a scheduler started on a state directory holding 10,000 ended jobs
   (``--replay-jobs``): process start to its controller answering, and
   ``restart_replay_ratio`` against the same start on an empty directory (the peer);
@@ -54,6 +56,7 @@ import torch  # noqa: E402
 
 import nbtrain  # noqa: E402
 from nbtrain import JobState, Settings  # noqa: E402
+from nbtrain.engine.remote import NOTICE_WITHIN_S  # noqa: E402
 from nbtrain.engine.standalone import StandaloneCluster, standalone_cluster  # noqa: E402
 from tests import recipes  # noqa: E402
 from tests.recipes import Regression, single_process_params  # noqa: E402
@@ -101,8 +104,12 @@ def _kill(cc: StandaloneCluster, c: nbtrain.Cluster, job: nbtrain.JobHandle
     gen, committed = job.generation, _committed(job)
     killed = time.time()
     cc.kill_scheduler()
-    _wait(lambda: job.unreachable_since is not None, 60, "the handle to notice")
-    notice = time.time() - killed
+    # A restart faster than a follow call may pass unnoticed by the handle (no call failed):
+    # then notice_s is None, once the controller answers again after that window.
+    _wait(lambda: job.unreachable_since is not None or (
+        time.time() - killed > 2 * NOTICE_WITHIN_S and _slots_online(c) >= 0),
+        60, "the handle to notice")
+    notice = time.time() - killed if job.unreachable_since is not None else None
     _wait(lambda: _slots_online(c) == 2, 180, "both slots back")
     back = time.time()
     return {"killed": killed, "gen": gen, "committed": committed, "notice_s": notice,
@@ -273,7 +280,8 @@ def main() -> None:
                 r = round_queued(cc, c, rng, root)
             r["scenario"] = scenario
             results.append(r)
-            print(f"{scenario:11} kill at {r['at']:16} notice {r['notice_s']:5.2f} s  "
+            noticed = "unseen" if r["notice_s"] is None else f"{r['notice_s']:.2f} s"
+            print(f"{scenario:11} kill at {r['at']:16} notice {noticed:>7}  "
                   f"workers back {r['workers_back_s']:5.2f} s  resume "
                   f"{r['resume_s'] if r['resume_s'] is None else round(r['resume_s'], 2)} s  "
                   f"lost jobs {r['jobs_lost']}  lost committed steps {r['lost']}  "
@@ -281,6 +289,7 @@ def main() -> None:
         rep = replay(args.replay_jobs, root)
     equal = [e for r in results for e in r["equal"]]
     resume = [r["resume_s"] for r in results if r["resume_s"] is not None]
+    notices = [r["notice_s"] for r in results if r["notice_s"] is not None]
     figures = {
         "kills": len(results),
         "jobs": sum(r["jobs"] for r in results),
@@ -289,7 +298,8 @@ def main() -> None:
         "params_equal": round(sum(equal) / len(equal), 3),
         "workers_back_s": round(statistics.median(r["workers_back_s"] for r in results), 2),
         "resume_s": round(statistics.median(resume), 2) if resume else None,
-        "client_notice_s": round(statistics.median(r["notice_s"] for r in results), 2),
+        "client_notice_s": round(statistics.median(notices), 2) if notices else None,
+        "client_unnoticed": len(results) - len(notices),
         "restart_replay_s": round(rep["full_ready_s"], 2),
         "restart_replay_empty_s": round(rep["empty_ready_s"], 2),
         "restart_replay_ratio": round(rep["full_ready_s"] / rep["empty_ready_s"], 2),
@@ -305,7 +315,8 @@ def main() -> None:
     print(f"{'params_equal':24}{figures['params_equal']:>8}   target 1.0")
     print(f"{'workers_back_s':24}{figures['workers_back_s']:>8}")
     print(f"{'resume_s':24}{figures['resume_s']!s:>8}   target <= 10")
-    print(f"{'client_notice_s':24}{figures['client_notice_s']:>8}   target <= 5")
+    print(f"{'client_notice_s':24}{figures['client_notice_s']!s:>8}   target <= 5 "
+          f"({figures['client_unnoticed']} restarts too quick to notice)")
     print(f"{'restart_replay_s':24}{figures['restart_replay_s']:>8}   target <= 5 "
           f"({args.replay_jobs} ended jobs; empty directory "
           f"{figures['restart_replay_empty_s']} s)")

@@ -14,6 +14,7 @@ import pytest
 import nbtrain
 from nbtrain import JobState, Settings
 from nbtrain.core.knobs import values_at
+from nbtrain.engine.remote import NOTICE_WITHIN_S
 from nbtrain.engine.standalone import standalone_cluster
 from tests import recipes
 from tests.conftest import wait_for
@@ -43,7 +44,7 @@ def test_a_pending_change_survives_a_scheduler_kill_and_applies_once(tmp_path: P
         wait_for(lambda: len(job.knobs.pending) == 1, 30, "the change's knob_set event")
         [pending] = job.knobs.pending  # not applied: nobody agrees
         assert job.knobs.history == ()
-        cc.kill_scheduler()
+        cc.kill_scheduler(down_s=2 * NOTICE_WITHIN_S)  # an outage the handle surely sees
         wait_for(lambda: job.unreachable_since is not None, 30, "the handle noticing")
         assert job.wait(300) is JobState.SUCCEEDED, job.reason
         assert "controller" in [f["what"] for f in job.faults], job.faults

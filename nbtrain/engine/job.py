@@ -196,7 +196,9 @@ class JobHandle:
         """When the cluster's controller stopped answering this handle's follower (epoch
         seconds), None while it answers. The handle keeps its last known state meanwhile and
         picks up where it was when the controller is back (a restarted scheduler restores
-        its jobs from its state directory)."""
+        its jobs from its state directory). It is set when a call to the controller fails,
+        so an outage shorter than a follow call (``remote.NOTICE_WITHIN_S``, 4 s) may pass
+        unnoticed; ``faults`` records every restart of the controller either way."""
         with self._lock:
             return self._unreachable_since
 

@@ -43,6 +43,12 @@ CALL_TIMEOUT_S = 60.0
 #: A follow call that has not returned this long after its own timeout counts as the
 #: controller being unreachable (a dead scheduler: Dask's connect retries for 30 s).
 UNREACHABLE_AFTER_S = 2.0
+#: An outage of the controller this long is always noticed by a followed handle: a follow
+#: call in flight fails at once, one started while the controller is down fails by its
+#: timeout (Dask retries a refused connection until then). One shorter than this may pass
+#: unnoticed, when no call was in flight and the controller is back before the next
+#: connects; the job's ``faults`` record every restart of the controller either way.
+NOTICE_WITHIN_S = FOLLOW_TIMEOUT_S + UNREACHABLE_AFTER_S
 #: Longest pause between the follower's tries to reach a lost controller.
 RETRY_MAX_S = 2.0
 
@@ -127,7 +133,7 @@ class Follower:
                 reply = self.remote.call("nbtrain_follow", cursors=cursors, tokens=tokens,
                                          token=self.remote.operator_token,
                                          timeout=FOLLOW_TIMEOUT_S,
-                                         rpc_timeout=FOLLOW_TIMEOUT_S + UNREACHABLE_AFTER_S)
+                                         rpc_timeout=NOTICE_WITHIN_S)
             except Exception as exc:
                 if self._closed.is_set():
                     return

@@ -85,6 +85,8 @@ class StandaloneCluster:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     #: What the supervisor did: (monotonic time, process name, "exited"/"started").
     history: list[tuple[float, str, str]] = field(default_factory=list)
+    #: Process name -> monotonic time before which the supervisor does not start it again.
+    _held: dict[str, float] = field(default_factory=dict)
 
     @property
     def procs(self) -> list[subprocess.Popen[bytes]]:
@@ -155,7 +157,11 @@ class StandaloneCluster:
                             due[w.name] = now
             for p in everyone:
                 when = due.get(p.name)
-                if when is None or time.monotonic() < when or self._stopping.is_set():
+                if when is None or self._stopping.is_set():
+                    continue
+                with self._lock:
+                    when = max(when, self._held.get(p.name, 0.0))
+                if time.monotonic() < when:
                     continue
                 del due[p.name]
                 assert p.proc is not None
@@ -164,10 +170,18 @@ class StandaloneCluster:
                     p.start(self._files)
                 self.history.append((time.monotonic(), p.name, "started"))
 
-    def kill_scheduler(self) -> int:
-        """SIGKILL the scheduler process (a fault for tests and benchmarks); its pid."""
+    def kill_scheduler(self, down_s: float = 0.0) -> int:
+        """SIGKILL the scheduler process (a fault for tests and benchmarks); its pid.
+
+        ``down_s``: the supervisor starts it again no sooner than this many seconds after
+        the kill (an outage of known length; 0: as soon as it notices, as for any exit).
+        A handle notices an outage only when a call to the controller fails, so one shorter
+        than a follow call (:data:`nbtrain.engine.remote.NOTICE_WITHIN_S`) may pass
+        unnoticed; hold it longer than that to see ``unreachable_since`` set."""
         proc = self.scheduler.proc
         assert proc is not None
+        with self._lock:
+            self._held[self.scheduler.name] = time.monotonic() + max(0.0, float(down_s))
         os.kill(proc.pid, signal.SIGKILL)
         return proc.pid
 
