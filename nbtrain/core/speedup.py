@@ -196,14 +196,8 @@ def fit_split(rows: Iterable[tuple[int, float, float, float, float]], *,
     fixed, b = _nonneg_line(local, compute, w)
     multi = n > 1
     c = d = 0.0
-    if multi.any():
-        c = float((w[multi] * comm[multi]).sum() / w[multi].sum())
-        if len(set(n[multi].tolist())) >= 2:
-            x = np.stack([np.ones(int(multi.sum())), n[multi] - 1], axis=1) * np.sqrt(
-                w[multi])[:, None]
-            coef, *_ = np.linalg.lstsq(x, comm[multi] * np.sqrt(w[multi]), rcond=None)
-            if (coef >= 0).all():
-                c, d = float(coef[0]), float(coef[1])
+    if multi.any():  # the all-reduce: a constant, growing with each further rank if it does
+        c, d = _nonneg_line(n[multi] - 1, comm[multi], w[multi], through_origin=False)
     rest = step - compute - np.where(multi, comm, 0.0)
     a = max(0.0, float((w * rest).sum() / w.sum())) + fixed
     curve = StepTimeCurve(a, b, c, d, global_batch, per_rank_batch)
@@ -212,21 +206,24 @@ def fit_split(rows: Iterable[tuple[int, float, float, float, float]], *,
     return curve, rms
 
 
-def _nonneg_line(x: FloatArray, y: FloatArray, w: FloatArray) -> tuple[float, float]:
-    """Weighted least squares ``y ~ p + q*x`` with ``p, q >= 0`` (through the origin with one
-    distinct ``x``): the best of the full line and each one-term line that is >= 0."""
-    sw = np.sqrt(w)
-    q_only = float((w * x * y).sum() / (w * x * x).sum())
-    best = (0.0, max(q_only, 0.0))
+def _nonneg_line(x: FloatArray, y: FloatArray, w: FloatArray, *,
+                 through_origin: bool = True) -> tuple[float, float]:
+    """Weighted least squares ``y ~ p + q*x`` with ``p, q >= 0``: the best of the full line
+    and the one-term lines (``p`` alone, and ``q`` alone when ``through_origin``; the first
+    of these wins a tie). With one distinct ``x`` only a one-term line: ``q`` alone when
+    ``through_origin``, else ``p``."""
+    options = [(0.0, max(float((w * x * y).sum() / (w * x * x).sum()), 0.0))] \
+        if through_origin else []
+    options.append((float((w * y).sum() / w.sum()), 0.0))
     if len(set(x.tolist())) < 2:
-        return best
+        return options[0]
+    sw = np.sqrt(w)
     cols = np.stack([np.ones_like(x), x], axis=1)
-
-    def err(p: float, q: float) -> float:
-        return float((w * (p + q * x - y) ** 2).sum())
-
     (p, q), *_ = np.linalg.lstsq(cols * sw[:, None], y * sw, rcond=None)
-    options = [best, (float((w * y).sum() / w.sum()), 0.0)]
     if p >= 0 and q >= 0:
         options.append((float(p), float(q)))
-    return min(options, key=lambda pq: err(*pq))
+
+    def err(pq: tuple[float, float]) -> float:
+        return float((w * (pq[0] + pq[1] * x - y) ** 2).sum())
+
+    return min(options, key=err)
