@@ -9,7 +9,11 @@ left alone in a collective.
 
 The all-reduce costs ~0.1-2 ms on CPU gloo, a lot for a 5 ms step, so ranks do not agree every
 step: each agreement also fixes the step of the next one, about ``interval_s`` of training
-later (the minimum of every rank's proposal, so all ranks hold the same schedule).
+later (the minimum of every rank's proposal, so all ranks hold the same schedule). Nor do
+they wait on it: a rank offers its requests at one step boundary (``offer``, an asynchronous
+all-reduce) and every rank acts on the result at the next one (``agreed``), so the
+all-reduce runs while that step trains. A request is acted on one step later than it
+would be with a blocking agreement, on the same step on every rank.
 
 Live knob changes ride on the same agreement: the controller's pending changes reach rank 0
 with the flags, rank 0 offers the newest one's number in the all-reduce, and when the
@@ -54,6 +58,8 @@ class ControlChannel:
         self.knob_seq = 0
         #: The knob changes agreed at the last agreement (empty: none), in seq order.
         self.agreed_knobs: list[dict[str, Any]] = []
+        self._offered: list[dict[str, Any]] = []  # the knob changes of the offer in flight
+        self._work: Any = None  # the in-flight agreement's all-reduce (``offer``)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -108,29 +114,53 @@ class ControlChannel:
             self._set(reply.get("flags", {}))
             self.set_knobs(reply.get("knobs", []))
 
-    def agree(self, proposed_interval: int, due: bool = False) -> tuple[dict[str, int], int]:
-        """Collective: the requests every rank acts on now, and steps until the next agreement.
-
-        ``proposed_interval`` is this rank's wish (from its own step time); the agreed
-        interval is the smallest wish, clamped to 1..MAX_INTERVAL_STEPS.
+    def offer(self, proposed_interval: int, due: bool = False) -> None:
+        """Collective, started here and finished by ``agreed()`` one step later on every
+        rank: offer this rank's requests, and its wish for the steps until the next
+        agreement (from its own step time). The all-reduce runs while the next step
+        trains, so no rank waits on it at this boundary.
         """
+        if self._work is not None:
+            raise RuntimeError("offer() while an agreement is in flight: call agreed() first")
         with self._lock:
             self._agreed[: len(FLAGS)].copy_(self._requested)
-            offered = [c for c in self._knobs if int(c["seq"]) > self.knob_seq]
+            self._offered = [c for c in self._knobs if int(c["seq"]) > self.knob_seq]
         n = len(FLAGS)
         self._agreed[n - 1] = int(due)
-        self._agreed[n] = max((int(c["seq"]) for c in offered), default=0)
+        self._agreed[n] = max((int(c["seq"]) for c in self._offered), default=0)
         self._agreed[n + 1] = -max(1, min(MAX_INTERVAL_STEPS, proposed_interval))
-        dist.all_reduce(self._agreed, op=dist.ReduceOp.MAX)
+        self._work = dist.all_reduce(self._agreed, op=dist.ReduceOp.MAX, async_op=True)
+
+    @property
+    def in_flight(self) -> bool:
+        """An ``offer()`` waits for its ``agreed()``."""
+        return self._work is not None
+
+    def agreed(self) -> tuple[dict[str, int], int]:
+        """Collective: the requests every rank acts on now (what the last ``offer()``
+        agreed), and the agreed interval: the smallest wish, clamped to
+        1..MAX_INTERVAL_STEPS."""
+        work, self._work = self._work, None
+        if work is None:
+            raise RuntimeError("agreed() without an offer() in flight")
+        work.wait()
+        n = len(FLAGS)
         values = [int(v) for v in self._agreed.tolist()]
         self.agreed_knobs = []
         if values[n] > self.knob_seq:  # rare: a new change; every rank knows it from here
-            box: list[Any] = [[c for c in offered if int(c["seq"]) <= values[n]]
+            box: list[Any] = [[c for c in self._offered if int(c["seq"]) <= values[n]]
                               if self._rank == 0 else None]
             dist.broadcast_object_list(box, src=0, device=self._agreed.device)
             self.agreed_knobs = list(box[0] or [])
             self.knob_seq = values[n]
         return dict(zip(FLAGS, values[:n], strict=True)), -values[n + 1]
+
+    def drain(self) -> None:
+        """The loop ended with an agreement in flight (every rank offered it): finish it
+        without acting on it, before any later collective or the group's end."""
+        work, self._work = self._work, None
+        if work is not None:
+            work.wait()
 
     def close(self) -> None:
         """Stop following (the thread ends after its current long-poll, at most a couple of

@@ -9,10 +9,12 @@ checkpoints and fault injection:
   methods around each ``yield``.
 
 ``begin()`` fires planned faults and starts the step's clock; ``batch_ready()`` ends the data
-wait; ``end(metrics)`` counts the step, agrees with the other ranks on control requests at the
-agreed steps (stop, preempt, checkpoint, halt), takes a checkpoint when due, and emits the
-step's row. The loop ends when ``begin()`` says the step budget is spent ("completed") or
-``end()`` says a request ends it ("stopped", "preempted", "halted"); ``outcome`` says which.
+wait; ``end(metrics)`` counts the step, acts on the control requests the ranks agreed on
+(stop, preempt, checkpoint, halt; offered at the boundary before, see
+``nbtrain.runtime.control``), takes a checkpoint when due, offers the next agreement at the
+agreed steps, and emits the step's row. The loop ends when ``begin()`` says the step budget
+is spent ("completed") or ``end()`` says a request ends it ("stopped", "preempted",
+"halted"); ``outcome`` says which.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class Stepper:
         """Start the next step; False (outcome "completed") when the step budget is spent."""
         if self.steps is not None and self.step >= self.steps:
             self.outcome = "completed"
+            self.control.drain()
             return False
         for fault in self.injector.poll(self.step + 1):
             delay = KILL_NOTICE_S if fault.kind == "kill" else 0.0
@@ -111,12 +114,10 @@ class Stepper:
         ckpt = self.ckpt
         requests = None
         want_checkpoint = ckpt is not None and ckpt.deterministic_due(step)
-        if step >= self._next_agreement:
-            ema = self._ema_step_s
-            proposal = int(self.interval_s / ema) if ema > 0 else 1
-            due = ckpt is not None and ckpt.locally_due(step)
-            requests, interval = self.control.agree(proposal, due)
-            self._next_agreement = step + interval
+        control = self.control
+        if control.in_flight:  # offered at the last boundary: every rank acts on it now
+            requests, interval = control.agreed()
+            self._next_agreement = step + interval - 1  # offered then, acted on a step later
             if requests["due"] or requests["checkpoint"] > self._checkpoint_seq:
                 want_checkpoint = True
                 self._checkpoint_seq = requests["checkpoint"]
@@ -136,6 +137,10 @@ class Stepper:
             self.tainted = not all(math.isfinite(float(v)) for v in metrics.values())
         if want_checkpoint and ckpt is not None and not ending and not self.tainted:
             ckpt.save(step)
+        if not ending and step >= self._next_agreement:  # after the save: its step is not due
+            ema = self._ema_step_s
+            proposal = int(self.interval_s / ema) if ema > 0 else 1
+            control.offer(proposal, ckpt is not None and ckpt.locally_due(step))
         t3 = perf()
         step_s = t3 - self._t0
         self._ema_step_s = step_s if self._ema_step_s == 0 else (
