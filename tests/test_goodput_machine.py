@@ -119,3 +119,15 @@ def test_step_times_that_are_not_finite_stay_out_of_the_curve() -> None:
     assert h.state("g") == "RUNNING"
     [measured] = [p for p in h.m.status("g").speedup if "step_s" in p]
     assert measured["step_s"] == pytest.approx(0.02) and measured["steps"] == 3
+
+
+def test_rank_zeros_step_rows_tell_the_scheduler_how_long_the_job_has_left() -> None:
+    h = Harness(workers=4)
+    h.submit("g", 2, min_size=1, max_size=4, sizing="goodput")  # steps=1000
+    assert h.m.sched is not None and h.m.sched.goodput_left_s("g") is None
+    h.steps("g", h.launches("g")[-1].generation, 10, step_s=0.02)
+    # 990 steps left at 0.02 s each (the warm-up rows are not timed, but they count as done)
+    assert h.m.sched.goodput_left_s("g") == pytest.approx(990 * 0.02)
+    h.submit("f", 2, min_size=1)
+    h.steps("f", h.launches("f")[-1].generation, 10, step_s=0.02)
+    assert h.m.sched.goodput_left_s("f") is None  # not goodput-sized

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from nbtrain.core.goodputmodel import GoodputModel
 from nbtrain.core.sched_types import (
     Decision,
     Event,
@@ -34,7 +35,7 @@ CFG = SchedulerConfig(goodput_interval_s=300.0, goodput_check_s=30.0, goodput_mi
 def _gp(job_id: str, size: int, *, min_size: int = 2, max_size: int = 16,
         **kw: object) -> JobRequest:
     return JobRequest(job_id=job_id, size=size, min_size=min_size, max_size=max_size,
-                      sizing="goodput", **kw)  # type: ignore[arg-type]
+                      sizing="goodput", **kw)
 
 
 def _measure(s: Scheduler, now: float, job_id: str, curve: StepTimeCurve,
@@ -284,3 +285,59 @@ def test_goodput_value_ranks_is_validated() -> None:
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="goodput_value_ranks must be a positive"):
             SchedulerConfig(goodput_value_ranks=bad)
+
+
+def _known(curve: StepTimeCurve, sizes: tuple[int, ...], ref: int = 4) -> GoodputModel:
+    m = GoodputModel(ref_size=ref)
+    for n in sizes:
+        m.observe(n, curve.step_s(n), 100.0)
+    return m
+
+
+def test_idle_slots_go_first_to_the_job_with_the_least_time_left() -> None:
+    from nbtrain.core import goodput_sizing
+
+    # Two jobs with the same curve at the same size, room for one to grow: the one nearer its
+    # end takes it (heSRPT); without times left the tie falls to the job id.
+    def plan(left_a: float | None, left_b: float | None) -> dict[str, int]:
+        cands = [goodput_sizing.Candidate(name, _known(GOOD, (2, 4, 8, 16)),
+                                          4, 4, 16, 4, left_s=left)
+                 for name, left in (("a", left_a), ("b", left_b))]
+        return {c.job_id: c.new for c in goodput_sizing.rebalance(
+            cands, 4, min_gain=0.05, min_confidence=0.3)}
+
+    assert plan(3600.0, 600.0) == {"b": 8}
+    assert plan(600.0, 3600.0) == {"a": 8}
+    assert plan(None, None) == {"a": 8}
+    assert plan(None, 3600.0) == {"b": 8}  # a known end goes before an unknown one
+
+
+def test_a_job_is_shrunk_by_rebalance_only_as_far_as_its_curve_is_trusted() -> None:
+    from nbtrain.core import goodput_sizing
+
+    # Measured at 8 and 16 only: trusted at 8 (inside the measured range), less below, so
+    # with min_confidence 0.3 it gives back down to 6, the smallest size trusted (the old
+    # rule: nothing, its minimum of 2 not being trusted).
+    poor = _known(POOR, (8, 16), ref=16)
+    conf = {n: poor.confidence(n) for n in (2, 4, 6, 8)}
+    assert conf[8] > conf[6] >= 0.3 > conf[4] > conf[2]
+    cands = [goodput_sizing.Candidate("poor", poor, 16, 2, 16, 2, left_s=36_000.0),
+             goodput_sizing.Candidate("good", _known(GOOD, (2, 4, 8)), 8, 2, 16, 2,
+                                      left_s=600.0)]
+    moved = {c.job_id: c.new for c in goodput_sizing.rebalance(
+        cands, 0, min_gain=0.05, min_confidence=0.3)}
+    assert moved == {"poor": 6, "good": 16}
+
+
+def test_a_blocked_head_shrinks_the_job_furthest_from_its_end() -> None:
+    # Same curve, same size: the job with the most time left gives the head its slots, the
+    # one about to end keeps them (step times carry each job's steps left).
+    s = Scheduler(TOPO, SchedulerConfig(goodput_knee=0.0))
+    _run(s, Submit(0.0, _gp("near", 8)))  # submitted first: the old rule shrank it first
+    _run(s, Submit(0.0, _gp("far", 8)))
+    for job_id, left in (("near", 100.0), ("far", 10_000.0)):
+        for n in (2, 4, 8):
+            _run(s, StepTimes(1.0, job_id, n, GOOD.step_s(n), 50.0, steps_left=left))
+    ds = _run(s, Submit(2.0, JobRequest(job_id="head", size=4)))
+    assert list(_resizes(ds)) == ["far"]
+    assert s.job("head").state == "running" and s.job("near").size == 8

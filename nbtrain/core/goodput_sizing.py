@@ -11,23 +11,32 @@ Three rules, each with its reason in words:
 
 - ``rebalance`` (nobody waits): the slots that are free, plus those goodput jobs could give
   back, go one replica at a time to the job whose run each added rank-second shortens most
-  (``time_return``; higher priority first), each job between its floor and its ceiling, and
-  only while that return is at least ``1 / value_ranks`` (a job is not grown far past its
-  efficient size because slots happen to be idle: arriving jobs would take them back, at a
-  restart each). Mean JCT, not summed speedup, is what this ranks by: on a full cluster a
-  slot-second spent where it saves the most time of some job's run is what finishes jobs
-  sooner, and a job that scales well spends few extra slot-seconds to finish sooner.
-  A job's floor is its current size unless its curve is trusted at its minimum
-  (``min_confidence``), its ceiling ``min(max_size, explore_limit)``. Growth that adds
-  less than ``min_gain`` to a job's speedup is dropped, and so are shrinks no growth needs;
-  the whole plan must gain at least ``min_gain`` (of one job's speedup) over what it loses,
-  or nothing moves.
+  (``time_return``; higher priority first), weighed by the time each job has left
+  (``growth_key``), each job between its floor and its ceiling, and only while that return
+  is at least ``1 / value_ranks`` (a job is not grown far past its efficient size because
+  slots happen to be idle: arriving jobs would take them back, at a restart each). Mean JCT,
+  not summed speedup, is what this ranks by: on a full cluster a slot-second spent where it
+  saves the most time of some job's run is what finishes jobs sooner, and a job that scales
+  well spends few extra slot-seconds to finish sooner. Of two jobs that gain alike, the one
+  with less time left goes first: with speedups below linear, mean JCT is lowest when the
+  jobs nearest their end hold the most ranks (heSRPT, Berg et al. 2020), and slots taken
+  from a job far from its end come back to it when the others finish.
+  A job's floor is the smallest size down to its minimum where its curve is trusted
+  (``min_confidence``; its current size when it is not trusted there), its ceiling
+  ``min(max_size, explore_limit)``. Growth that adds less than ``min_gain`` to a job's
+  speedup is dropped, and so are shrinks no growth needs; the whole plan must gain at least
+  ``min_gain`` (of one job's speedup) over what it loses, or nothing moves.
 - ``for_queue`` (jobs wait): a job gives back the ranks past its knee, the largest size whose
   last replica still adds ``knee`` of an average rank's speedup, when its curve is trusted
   there. A job measured at one size only is probed at half of it (not below its minimum), so
   its first curve is filled in while the slots help a waiting job.
 - ``shrink_cost``: what a shrink costs a job, for choosing whom to shrink for a blocked head
-  (the smallest loss per slot goes first) and for the reason shown.
+  (``shrink_key``: the smallest loss per slot goes first, weighed by the time left the other
+  way round: a job far from its end loses least by waiting) and for the reason shown.
+
+Time left (``Candidate.left_s``) comes from the job's ``steps`` and its step rows. Jobs whose
+time left is not known (without ``steps``, or not measured yet) are grown after and shrunk
+after the others, and among themselves ordered as if all had the same time left.
 """
 
 from __future__ import annotations
@@ -39,8 +48,12 @@ from dataclasses import dataclass
 
 from nbtrain.core.goodputmodel import GoodputModel
 
-__all__ = ["Candidate", "SizeChange", "for_queue", "knee", "rebalance", "shrink_cost",
-           "time_return"]
+__all__ = ["Candidate", "SizeChange", "for_queue", "growth_key", "knee", "rebalance",
+           "shrink_cost", "shrink_key", "time_return"]
+
+#: Time left below this counts as this much when jobs are weighed by it (seconds): a job
+#: about to end is not worth any number of restarts of the others.
+MIN_LEFT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -54,6 +67,8 @@ class Candidate:
     max_size: int
     replica: int
     priority: int = 0
+    #: Seconds of its run left at ``size`` (``None``: not known).
+    left_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -84,6 +99,26 @@ def time_return(model: GoodputModel, n: int, r: int) -> float:
     return math.inf if added <= 0 else saved / added
 
 
+def _left_sq(left_s: float) -> float:
+    return max(left_s, MIN_LEFT_S) ** 2
+
+
+def growth_key(gain: float, left_s: float | None) -> tuple[int, float]:
+    """Order of growth in ``rebalance`` (larger first): a rank's ``time_return`` over the
+    square of the job's time left, so the jobs nearest their end grow first unless another
+    gains far more; jobs whose time left is not known come after, by ``time_return``."""
+    return (0, gain) if left_s is None else (1, gain / _left_sq(left_s))
+
+
+def shrink_key(loss_per_slot: float, left_s: float | None) -> tuple[int, float]:
+    """Order of shrinking for a blocked head (smaller first): the share of its speedup a job
+    loses per slot given up, over the square of its time left (a job far from its end loses
+    least by giving slots up now: they come back to it when nearer jobs end); jobs whose
+    time left is not known (not measured yet, or without ``steps``) come after, by that
+    loss alone (shrinking them first was worse on ``benchmarks/goodput.py``'s trace)."""
+    return (2, loss_per_slot) if left_s is None else (1, loss_per_slot / _left_sq(left_s))
+
+
 def _marginal(model: GoodputModel, n: int, r: int) -> float:
     """Speedup the last replica at ``n`` ranks adds per rank, over the average rank's."""
     s = model.speedup(n)
@@ -108,16 +143,23 @@ def _ceiling(c: Candidate) -> int:
     return max(c.size, top // c.replica * c.replica)
 
 
+def _floor(c: Candidate, min_confidence: float) -> int:
+    """The smallest size in ``[min_size, size]`` (in replicas) down to which the job's curve
+    is trusted; its size when it is not trusted there."""
+    m, n = c.model, c.size
+    if m.confidence(n) < min_confidence:
+        return n
+    while n - c.replica >= c.min_size and m.confidence(n - c.replica) >= min_confidence:
+        n -= c.replica
+    return n
+
+
 def _waterfill(cands: Sequence[Candidate], free: int, min_confidence: float,
                value_ranks: float) -> dict[str, int]:
     """Sizes one replica at a time, the best time return first (see ``rebalance``)."""
-    alloc = {}
-    for c in cands:
-        trusted = (c.model.confidence(c.min_size) >= min_confidence
-                   and c.model.confidence(c.size) >= min_confidence)
-        alloc[c.job_id] = c.min_size if trusted else c.size
+    alloc = {c.job_id: _floor(c, min_confidence) for c in cands}
     pool = free + sum(c.size - alloc[c.job_id] for c in cands)
-    heap: list[tuple[int, float, str]] = []
+    heap: list[tuple[int, int, float, str]] = []
     by_id = {c.job_id: c for c in cands}
     ceiling = {c.job_id: _ceiling(c) for c in cands}
 
@@ -127,12 +169,13 @@ def _waterfill(cands: Sequence[Candidate], free: int, min_confidence: float,
             return
         gain = time_return(c.model, n, c.replica)
         if gain > 0 and gain * value_ranks >= 1.0:
-            heapq.heappush(heap, (-c.priority, -gain, c.job_id))
+            known, key = growth_key(gain, c.left_s)
+            heapq.heappush(heap, (-c.priority, -known, -key, c.job_id))
 
     for c in cands:
         push(c)
     while heap and pool > 0:
-        _, _, jid = heapq.heappop(heap)
+        *_, jid = heapq.heappop(heap)
         c = by_id[jid]
         if c.replica > pool:
             continue

@@ -156,6 +156,9 @@ class JobBook:
         self._flex: dict[str, JobRecord] = {}  # running jobs with a min_size
         #: Goodput models of goodput-sized jobs (``JobRequest.sizing``), fed ``StepTimes``.
         self._models: dict[str, GoodputModel] = {}
+        #: Per goodput-sized job: (when, seconds of its run left then, at what size), from
+        #: the newest ``StepTimes`` that knew its steps left.
+        self._left: dict[str, tuple[float, float, int]] = {}
         self._goodput_next = -math.inf  # when the scheduler next looks at goodput sizing
         self.work = Work()
 
@@ -180,6 +183,7 @@ class JobBook:
             del self._jobs[job_id]
             del self._by_num[j.num]
             self._models.pop(job_id, None)
+            self._left.pop(job_id, None)
 
     def goodput_model(self, job_id: str) -> GoodputModel | None:
         """The goodput model of a goodput-sized job (``None`` for other jobs)."""

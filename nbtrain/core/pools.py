@@ -153,6 +153,11 @@ class DevicePools:
         pool = self.pools.get(self.kind_of(job_id))
         return None if pool is None else pool.goodput_model(job_id)
 
+    def goodput_left_s(self, job_id: str) -> float | None:
+        """Seconds of a goodput-sized job's run left at its size (``None``: not known)."""
+        pool = self.pools.get(self.kind_of(job_id))
+        return None if pool is None else pool.goodput_left_s(job_id)
+
     def kinds(self) -> list[str]:
         """Kinds that have slots, in ``KINDS`` order."""
         return [k for k in KINDS if k in self.pools] + sorted(set(self.pools) - set(KINDS))

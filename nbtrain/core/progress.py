@@ -77,7 +77,8 @@ def step_times(job: LiveJob, ev: RankEvent, now: float) -> StepTimes | None:
     """Rank 0's step rows of a goodput-sized job's current generation as the scheduler's
     ``StepTimes`` (their mean step, compute and all-reduce times at the generation's size;
     ``GoodputModel`` ignores a split that is not finite), past the generation's
-    first ``WARMUP_STEPS`` rows; None for other jobs and for rows all within the warm-up."""
+    first ``WARMUP_STEPS`` rows, with the steps the job has left when it has ``steps``; None
+    for other jobs and for rows all within the warm-up."""
     gen = job.gen
     if (job.spec.sizing != "goodput" or not isinstance(ev, RankSteps) or ev.rank != 0
             or gen is None or ev.generation != gen.number):
@@ -91,10 +92,15 @@ def step_times(job: LiveJob, ev: RankEvent, now: float) -> StepTimes | None:
         return None
     n = len(rows)
     step, compute, comm = (sum(col) / n for col in zip(*rows, strict=True))
+    left = None
+    last = float(ev.rows[-1][_STEP])
+    if job.spec.steps is not None and math.isfinite(last):
+        left = max(0.0, job.spec.steps - last)
     return StepTimes(now, job.id, gen.size, step, float(n), noise_scale=job.noise_scale,
-                     compute_s=compute, comm_s=comm)
+                     compute_s=compute, comm_s=comm, steps_left=left)
 
 
+_STEP = ROW_COLUMNS.index("step")
 _STEP_S = ROW_COLUMNS.index("step_s")
 _COMPUTE_S = ROW_COLUMNS.index("compute_s")
 _COMM_S = ROW_COLUMNS.index("comm_s")

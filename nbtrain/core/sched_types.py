@@ -246,9 +246,11 @@ class WorkersForgotten:
 @dataclass(frozen=True)
 class StepTimes:
     """A job's mean step time over ``steps`` steps at ``size`` ranks (for goodput sizing;
-    ignored for other jobs); optionally its gradient noise scale (samples) and how the step
+    ignored for other jobs); optionally its gradient noise scale (samples), how the step
     splits: ``compute_s`` (forward and backward, which shrink as the per-rank batch does) and
-    ``comm_s`` (waiting for the gradient all-reduce), means over the same steps."""
+    ``comm_s`` (waiting for the gradient all-reduce), means over the same steps, and
+    ``steps_left``, the steps the job still has to run (``None``: not known, a job without
+    ``steps``)."""
 
     now: float
     job_id: str
@@ -258,6 +260,7 @@ class StepTimes:
     noise_scale: float | None = None
     compute_s: float | None = None
     comm_s: float | None = None
+    steps_left: float | None = None
 
 
 @dataclass(frozen=True)

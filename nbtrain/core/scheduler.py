@@ -166,6 +166,8 @@ class Scheduler(JobBook):
                           comm_s=ev.comm_s)
             if ev.noise_scale is not None:
                 model.noise_scale = ev.noise_scale
+            if ev.steps_left is not None and ev.steps_left >= 0 and ev.step_s > 0:
+                self._left[ev.job_id] = (ev.now, ev.steps_left * ev.step_s, ev.size)
 
     def _submit(self, req: JobRequest, out: list[Decision]) -> None:
         if req.job_id in self._jobs:
@@ -315,9 +317,25 @@ class Scheduler(JobBook):
             out.append((j, goodput_sizing.Candidate(
                 job_id=j.req.job_id, model=model, size=j.size, min_size=j.req.min_slots,
                 max_size=j.req.max_slots, replica=j.req.layout.replica,
-                priority=j.req.priority)))
+                priority=j.req.priority, left_s=self._left_s(j, model))))
         self.work.running += len(self._flex)
         return out
+
+    def goodput_left_s(self, job_id: str) -> float | None:
+        """Seconds of a goodput-sized job's run left at its current size, as goodput sizing
+        sees it (None: not known, or not such a job)."""
+        j, model = self._jobs.get(job_id), self._models.get(job_id)
+        return None if j is None or model is None else self._left_s(j, model)
+
+    def _left_s(self, j: JobRecord, model: GoodputModel) -> float | None:
+        """Seconds of a goodput-sized job's run left at its current size, from its newest
+        step times that knew its steps left (None: none did)."""
+        got = self._left.get(j.req.job_id)
+        if got is None:
+            return None
+        t, left, size = got
+        left = max(0.0, left - (self.now - t))
+        return left if size == j.size else left * model.speedup(size) / model.speedup(j.size)
 
     def _goodput_for_queue(self, out: list[Decision]) -> None:
         """Jobs wait: goodput-sized jobs give back ranks past their knee (or are probed)."""
@@ -357,16 +375,18 @@ class Scheduler(JobBook):
             note = "" if got == change.new else f" ({got} fit now)"
             out.append(self._move(j, idx, change.reason + note))
 
-    def _shrink_key(self, j: JobRecord) -> tuple[int, int, float, int]:
+    def _shrink_key(self, j: JobRecord) -> tuple[int, int, tuple[int, float], int]:
         """Order of elastic jobs to shrink for a blocked head: lower priority first; within a
         priority goodput-sized jobs first, those losing least speedup per slot at their
-        minimum first; then the others with the most ranks above their minimum first."""
+        minimum for the time they have left first (``goodput_sizing.shrink_key``); then the
+        others with the most ranks above their minimum first."""
         model = self._models.get(j.req.job_id)
         spare = j.size - j.req.min_slots
         if model is None or not spare:
-            return (j.req.priority, 1, float(-spare), j.seq)
+            return (j.req.priority, 1, (0, float(-spare)), j.seq)
         loss = goodput_sizing.shrink_cost(model, j.size, j.req.min_slots) / spare
-        return (j.req.priority, 0, loss, j.seq)
+        return (j.req.priority, 0, goodput_sizing.shrink_key(loss, self._left_s(j, model)),
+                j.seq)
 
     def _shrink_reason(self, j: JobRecord, new: int, head: JobRecord) -> str:
         model = self._models.get(j.req.job_id)

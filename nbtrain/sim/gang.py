@@ -16,7 +16,8 @@ Under ``policy="goodput"`` (nbtrain's policy with the trace's elastic jobs goodp
 simulator also plays the ranks' part of measuring: ``measure_after_s`` after each start or
 resize of such a job, and every ``measure_every_s`` after that, it sends ``StepTimes`` with
 the curve's step time at the job's size and its compute and communication parts (as the
-ranks' step rows split them), with ``measure_noise`` relative jitter.
+ranks' step rows split them), with ``measure_noise`` relative jitter, and the steps it has
+left (as a live job's ``steps`` and step rows tell the controller).
 """
 
 from __future__ import annotations
@@ -185,7 +186,8 @@ def simulate_gang(
             scale = run.slowdown * float(noise.lognormal(0.0, measure_noise))
             compute, comm = run.job.phases_s(n)
             event = StepTimes(t, job_id, n, run.job.step_s(n) * scale, steps=100.0,
-                              compute_s=compute * scale, comm_s=comm * scale)
+                              compute_s=compute * scale, comm_s=comm * scale,
+                              steps_left=_steps_left(run, t))
             seq += 1
             heapq.heappush(heap, (t + measure_every_s, 1, seq, "measure", job_id, gen))
         elif kind == "finish":
@@ -280,6 +282,14 @@ def simulate_gang(
 def _finish_at(run: _Run, t: float) -> float:
     assert run.idx is not None
     return float(t + run.overhead + run.remaining * run.slowdown / run.rate(run.idx.shape[0]))
+
+
+def _steps_left(run: _Run, t: float) -> float:
+    """The steps a running job has left at ``t``, as its step rows and ``steps`` would say:
+    the time to its finish at its size and placement over the time a step takes there."""
+    assert run.idx is not None
+    left_s = max(0.0, _finish_at(run, run.seg_start) - max(t, run.seg_start + run.overhead))
+    return left_s / (run.job.step_s(int(run.idx.shape[0])) * run.slowdown)
 
 
 def _progress(run: _Run, t: float, grace: float, write_s: float) -> float:
