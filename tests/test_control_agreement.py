@@ -6,20 +6,15 @@ agreement in flight drains it and the group's next collective still pairs up."""
 from __future__ import annotations
 
 import multiprocessing
-import socket
 from typing import Any
 
 import torch
 
+from nbtrain.engine.standalone import free_port
+
 #: Steps each rank walks through; rank 0 is asked to stop before its boundary at STOP_AT.
 STEPS = 12
 STOP_AT = 5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank(rank: int, port: int, out: Any) -> None:
@@ -59,7 +54,7 @@ def _rank(rank: int, port: int, out: Any) -> None:
 def test_requests_are_acted_on_one_step_after_the_offer_on_every_rank() -> None:
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, out), daemon=True) for r in (0, 1)]
     for p in procs:
         p.start()
