@@ -157,7 +157,9 @@ class ControlChannel:
 
     def drain(self) -> None:
         """The loop ended with an agreement in flight (every rank offered it): finish it
-        without acting on it, before any later collective or the group's end."""
+        without acting on it, before the final checkpoint and the group's end (collectives
+        a training function issues after its loop pair up behind it, in the same order on
+        every rank)."""
         work, self._work = self._work, None
         if work is not None:
             work.wait()

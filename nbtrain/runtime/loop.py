@@ -127,7 +127,9 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
             else:
                 recipe = work
                 outcome = _recipe_loop(recipe, ctx, stepper, driver)
-        control.drain()  # a loop left early (a user's break) may leave an agreement in flight
+        # However the loop ended (its step budget, a user's break, data run out), an
+        # agreement its last boundary offered is finished here, before the final checkpoint.
+        control.drain()
         summary: dict[str, Any] = {"rank": launch.rank, "step": ctx.step, "outcome": outcome}
         if ckpt is not None and driver.started:
             plan = ckpt.plan

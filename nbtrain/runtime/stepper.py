@@ -83,7 +83,6 @@ class Stepper:
         """Start the next step; False (outcome "completed") when the step budget is spent."""
         if self.steps is not None and self.step >= self.steps:
             self.outcome = "completed"
-            self.control.drain()
             return False
         for fault in self.injector.poll(self.step + 1):
             delay = KILL_NOTICE_S if fault.kind == "kill" else 0.0
