@@ -209,3 +209,22 @@ def test_auto_interval_within_bounds(costs: list[float], mtbf: float) -> None:
         assert p.interval_s is not None
         assert cfg.min_interval_s <= p.interval_s <= cfg.max_interval_s
         assert p.cost_s is not None and min(costs[:i]) - 1e-9 <= p.cost_s <= max(costs[:i]) + 1e-9
+
+
+def test_the_time_part_leaves_a_live_interval_change_on_its_grid() -> None:
+    # Checkpoints every 10 until 20, then the interval becomes 25 at step 26: the multiple
+    # of 25 already passed (25) is overdue for due(), but the part one rank offers to the
+    # others (time_due) leaves it to the deterministic grid, so the next checkpoint is 50.
+    p = CheckpointPolicy(CheckpointPolicyConfig(every_steps=10), now=0.0)
+    p.record(20, 0.0)
+    p.set_every_steps(25)
+    assert p.due(29, 0.0)
+    assert not any(p.time_due(s, 0.0) for s in range(21, 60))
+    p.request()
+    assert p.time_due(29, 0.0)  # an on-demand request is still offered
+
+
+def test_the_time_part_is_the_time_interval() -> None:
+    p = CheckpointPolicy(CheckpointPolicyConfig(every_seconds=60.0), now=0.0)
+    assert not p.time_due(5, 59.0)
+    assert p.time_due(5, 60.0)

@@ -261,10 +261,19 @@ class CheckpointPolicy:
         """Whether to checkpoint at this step boundary. Never twice for the same step."""
         if step <= self._last_step:
             return False
-        if self._requested:
-            return True
         n = self._every_steps
         if n is not None and step >= (self._last_step // n + 1) * n:
+            return True
+        return self.time_due(step, now)
+
+    def time_due(self, step: int, now: float) -> bool:
+        """The time-based and auto part of :meth:`due`, and an on-demand request: what one
+        rank can only offer to the others. The step interval is left out: every rank knows
+        its multiples and acts on them at the same step (an interval changed live would
+        otherwise make a multiple already passed look overdue, off the new grid)."""
+        if step <= self._last_step:
+            return False
+        if self._requested:
             return True
         if self.config.auto and self._cost_s is None:
             return step >= self._start_step + self.config.probe_after_steps

@@ -254,8 +254,9 @@ class RankCheckpointing:
         return n is not None and step % n == 0
 
     def locally_due(self, step: int) -> bool:
-        """Time-based / auto decisions: contributed to the agreement, not acted on alone."""
-        return self.policy.due(step, time.monotonic())
+        """Time-based / auto decisions: contributed to the agreement, not acted on alone
+        (the step interval's multiples are :meth:`deterministic_due`'s)."""
+        return self.policy.time_due(step, time.monotonic())
 
     def save(self, step: int) -> SaveResult | None:
         if step == self.last_saved_step:
