@@ -116,6 +116,17 @@ def assert_params_equal(out_dir: str | Path, expected: dict[str, torch.Tensor],
             torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6)
 
 
+def dataloader_workers() -> int:
+    """Run on a Dask worker: how many DataLoader worker processes it has (the children of
+    its fork server, where ``nbtrain.runtime.loader`` starts them)."""
+    import psutil
+
+    servers = [p for p in psutil.Process().children()
+               if "forkserver" in " ".join(p.cmdline())]
+    return sum(1 for server in servers for child in server.children()
+               if child.status() != psutil.STATUS_ZOMBIE)
+
+
 def what_the_worker_sees() -> tuple[int, str]:
     """Run on a worker: how many CUDA devices it sees, and the UUID of its ``cuda:0``."""
     return torch.cuda.device_count(), str(torch.cuda.get_device_properties(0).uuid)

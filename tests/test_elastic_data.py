@@ -206,3 +206,35 @@ def test_a_dataset_that_cannot_reach_the_workers_says_what_to_do() -> None:
                                         r"sent to DataLoader worker processes .*lazily in "
                                         r"__getitem__"):
         loader.next_batch()
+
+
+def test_close_stops_the_dataloader_workers_at_once() -> None:
+    """The rank task closes its loader when a generation ends: the worker processes end then,
+    even while something else (here ``held``, in a rank a failure's traceback) still holds
+    the iterator, instead of being joined by the garbage collector inside a later step."""
+    loader = ShardedLoader(ids_dataset(), global_batch_size=B, rank=0, world_size=1,
+                           num_workers=2)
+    loader.next_batch()
+    held = loader._prefetch
+    workers = list(held._workers)  # type: ignore[union-attr]
+    assert len(workers) == 2 and all(w.is_alive() for w in workers)
+    loader.close()
+    assert loader._prefetch is None
+    assert not any(w.is_alive() for w in workers), [w.exitcode for w in workers]
+    del held
+
+
+def test_close_closes_an_iterable_datasets_generator() -> None:
+    closed: list[bool] = []
+
+    class Stream(IterableDataset):  # type: ignore[type-arg]
+        def __iter__(self) -> Iterator[torch.Tensor]:
+            try:
+                yield from (torch.tensor([i]) for i in range(100))
+            finally:
+                closed.append(True)
+
+    loader = StreamLoader(Stream(), global_batch_size=4, rank=0, world_size=1)
+    loader.next_batch()
+    loader.close()
+    assert closed == [True]

@@ -21,6 +21,7 @@ from tests.conftest import wait_for
 from tests.recipes import (
     ElasticRegression,
     assert_params_equal,
+    dataloader_workers,
     elastic_train,
     per_rank_batch_train,
     single_process_params,
@@ -164,6 +165,10 @@ def test_lost_worker_shrinks_the_job_and_it_grows_back_with_dataloader_workers(
             _wait_resized(job, 2, 2)
             assert "grow" in _resizes(job, "requested")[-1]["reason"]
             _train_on(job)
+            # Each worker holds only its current rank's two loader processes: a generation's
+            # are stopped when it ends (left to the garbage collector they were joined
+            # inside a later step, which stalled it into a hang restart).
+            assert sorted(c.client.run(dataloader_workers).values()) == [2, 2], _explain(job)
             final = _stopped_at(job)
             # the lost worker; the resizes spent none
             assert job.restarts == 1, _explain(job)

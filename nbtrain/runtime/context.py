@@ -184,8 +184,16 @@ class RankContext:
             collate_fn=collate_fn,
             num_workers=num_workers,
         )
+        self.close_data()
         self._loader = loader
         return loader
+
+    def close_data(self) -> None:
+        """Stop this rank's loader (its DataLoader worker processes) now; the rank task calls
+        it when the generation ends, however it ends."""
+        loader, self._loader = self._loader, None
+        if loader is not None:
+            loader.close()
 
     def scale_lr(self, optimizer: torch.optim.Optimizer, rule: str = "linear", *,
                  base_world_size: int | None = None, scheduler: Any = None) -> float:
@@ -278,6 +286,7 @@ class RankContext:
             if num_workers:
                 raise ValueError("num_workers is for map-style datasets; an iterable dataset "
                                  "is read by every rank (see nbtrain.runtime.stream)")
+            self.close_data()
             self._loader = StreamLoader(data,  # type: ignore[arg-type]
                                         global_batch_size=global_batch_size,
                                         rank=self.dp_rank, world_size=self.dp_size,

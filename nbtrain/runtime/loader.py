@@ -35,6 +35,7 @@ class PositionedLoader(Protocol):
     last_sizes: tuple[int, int] | None
 
     def next_batch(self) -> Any: ...
+    def close(self) -> None: ...
     def state_dict(self) -> dict[str, int]: ...
     def load_state_dict(self, state: dict[str, int]) -> None: ...
 
@@ -154,8 +155,14 @@ class ShardedLoader:
         return batch
 
     def close(self) -> None:
-        """Stop the prefetching worker processes (if any)."""
-        self._prefetch = None
+        """Stop the prefetching worker processes (if any) now. The rank task calls it when
+        its generation ends: left to the garbage collector (the loader and its iterator hold
+        each other), the workers were joined at some later moment inside whatever ran then,
+        a later generation's step on this Dask worker, which stalled and looked like a hang."""
+        it, self._prefetch = self._prefetch, None
+        shutdown = getattr(it, "_shutdown_workers", None)  # what the iterator's __del__ calls
+        if callable(shutdown):
+            shutdown()
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.position.epoch, "cursor": self.position.cursor}

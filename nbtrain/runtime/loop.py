@@ -166,6 +166,8 @@ def run_rank(launch: RankLaunch) -> dict[str, Any]:
         if recipe is not None:
             with contextlib.suppress(Exception):
                 recipe.teardown(ctx)
+        with contextlib.suppress(Exception):
+            ctx.close_data()
         if control is not None:
             control.close()
         exits.close()

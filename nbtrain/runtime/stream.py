@@ -84,6 +84,13 @@ class StreamLoader:
             f"the dataset gives fewer than global_batch_size={self.global_batch_size} samples "
             "per epoch (drop_last=True drops them all)")
 
+    def close(self) -> None:
+        """Close the dataset's iterator (a generator's ``finally`` runs now)."""
+        it, self._it = self._it, None
+        close = getattr(it, "close", None)
+        if callable(close):
+            close()
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.position.epoch, "cursor": self.position.cursor}
 
