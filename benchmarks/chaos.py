@@ -257,6 +257,12 @@ class Campaign:
         run.shots.append(shot)
         self.trained(run)
         restarts = job.restarts
+        # The preemption's checkpoint must be the only write on the full disk: a checkpoint
+        # still in flight when it fills would free space after it (its commit prunes an
+        # older one; a failed one is discarded) and the preemption's could then commit.
+        # So step checkpoints stop first, and those already taken end.
+        job.set(checkpoint_every=0)
+        _wait(lambda: _checkpoints_settled(job), TIMEOUT_S, "the checkpoints in flight to end")
         shot = Shot("full_in_preempt", job.id, time.time(), self.committed(job))
         with _filled(mount):
             job.preempt()
@@ -268,6 +274,7 @@ class Campaign:
         job.resume()
         run.shots.append(shot)
         self.trained(run)
+        job.set(checkpoint_every=2)
 
     def group_of(self, address: str) -> str:
         info = self.c.client.scheduler_info()["workers"]
@@ -345,6 +352,25 @@ def _until(cond: Callable[[], object], timeout: float, poll_s: float = 0.002) ->
             return False
         time.sleep(poll_s)
     return True
+
+
+def _checkpoints_settled(job: nbtrain.JobHandle) -> bool:
+    """Every checkpoint a rank of the current generation snapshotted has ended there:
+    committed, failed or skipped on the committer (rank 0, which prunes before it reports
+    the commit), also persisted on the others."""
+    open_: set[tuple[Any, Any]] = set()
+    gen = job.generation
+    for e in job.events:
+        if e.get("kind") != "checkpoint" or e.get("generation") != gen:
+            continue
+        key = (e.get("rank"), e.get("step"))
+        phase = e.get("phase")
+        if phase == "snapshot":
+            open_.add(key)
+        elif phase in ("committed", "failed", "skipped") or (
+                phase == "persisted" and key[0] != 0):
+            open_.discard(key)
+    return not open_
 
 
 def _failed_checkpoints(job: nbtrain.JobHandle) -> list[dict[str, Any]]:
