@@ -341,3 +341,37 @@ def test_a_blocked_head_shrinks_the_job_furthest_from_its_end() -> None:
     ds = _run(s, Submit(2.0, JobRequest(job_id="head", size=4)))
     assert list(_resizes(ds)) == ["far"]
     assert s.job("head").state == "running" and s.job("near").size == 8
+
+
+def test_while_jobs_wait_only_as_many_ranks_are_given_back_as_they_need() -> None:
+    # Two jobs past their knee; the waiting job needs 2 slots: only the job furthest from its
+    # end gives ranks back (each give-back is a restart), the other keeps its 8.
+    s = Scheduler(TOPO, CFG)
+    _run(s, Submit(0.0, _gp("near", 8)))
+    _run(s, Submit(0.0, _gp("far", 8)))
+    for job_id, left in (("near", 5_000.0), ("far", 50_000.0)):
+        for n in (2, 4, 8):
+            _run(s, StepTimes(10.0, job_id, n, POOR.step_s(n), 50.0, steps_left=left))
+    ds = _run(s, Submit(400.0, JobRequest(job_id="small", size=2)))
+    moved = _resizes(ds)
+    assert list(moved) == ["far"], moved
+    assert "waiting jobs" in moved["far"].reason
+    assert s.job("near").size == 8 and s.job("small").state == "running"
+
+
+def test_probes_go_first_among_the_give_backs_while_jobs_wait() -> None:
+    from nbtrain.core import goodput_sizing
+
+    known = goodput_sizing.Candidate("known", _known(POOR, (2, 4, 8)), 8, 2, 16, 2,
+                                     left_s=50_000.0)
+    fresh = goodput_sizing.Candidate("fresh", _known(GOOD, (8,), ref=8), 8, 2, 16, 2,
+                                     left_s=100.0)
+    changes = []
+    for c in (known, fresh):
+        change = goodput_sizing.for_queue(c, threshold=0.5, min_confidence=0.3)
+        assert change is not None
+        changes.append((c, change))
+    order = goodput_sizing.queue_order(changes)
+    assert [(c.job_id, ch.probe, ch.new) for c, ch in order] == [
+        ("fresh", True, 4), ("known", False, order[1][1].new)]
+    assert order[1][1].new < 8

@@ -139,6 +139,7 @@ class JobBook:
         self._by_num: dict[int, JobRecord] = {}
         self._buckets: dict[int, dict[str, list[JobRecord]]] = {}  # priority -> team -> by seq
         self._n_queued = 0
+        self._queued_slots = 0  # the queued jobs' minimum sizes, summed
         self._next_num = 0
         self._fair = FairShare(self.config.weight, self.config.fair_share_half_life_s,
                                self.config.share_window_s)
@@ -265,6 +266,8 @@ class JobBook:
         assert set(self._flex) == {k for k in running
                                    if self._active[k].req.min_size is not None}
         assert self._n_queued == sum(len(b) for t in self._buckets.values() for b in t.values())
+        assert self._queued_slots == sum(j.req.min_slots for t in self._buckets.values()
+                                         for b in t.values() for j in b)
 
     # ================================================================== bookkeeping
     def _enqueue(self, j: JobRecord) -> None:
@@ -272,6 +275,7 @@ class JobBook:
         bucket = self._buckets.setdefault(j.req.priority, {}).setdefault(j.req.team, [])
         bisect.insort(bucket, j, key=lambda x: x.seq)
         self._n_queued += 1
+        self._queued_slots += j.req.min_slots
 
     def _dequeue(self, j: JobRecord) -> None:
         teams = self._buckets.get(j.req.priority, {})
@@ -282,6 +286,7 @@ class JobBook:
         if i < len(bucket) and bucket[i] is j:
             del bucket[i]
             self._n_queued -= 1
+            self._queued_slots -= j.req.min_slots
             if not bucket:
                 del teams[j.req.team]
                 if not teams:
@@ -336,6 +341,8 @@ class JobBook:
             j.req = req
             self._index(j)
         else:
+            if j.state == "queued":
+                self._queued_slots += req.min_slots - j.req.min_slots
             j.req = req
 
     def _end_order(self) -> Iterator[tuple[float, JobRecord]]:

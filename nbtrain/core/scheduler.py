@@ -24,10 +24,10 @@ What one scheduling pass does, after the event is applied:
 
 Goodput-sized jobs (``JobRequest.sizing="goodput"``, fed ``StepTimes``) are sized by
 ``nbtrain.core.goodput_sizing`` at most every ``goodput_check_s``: before the pass, while jobs
-wait, they give back ranks past their knee; when nobody waits, slots move between them to
-where they add most speedup, instead of step 4. A blocked head shrinks them first, the
-cheapest in lost speedup per slot first. A scheduler with no such job takes none of these
-paths (its schedules are the pinned ones).
+wait, they give back ranks past their knee (no more than the waiting jobs need); when nobody
+waits, slots move between them to where they add most speedup, instead of step 4. A blocked
+head shrinks them first, the cheapest in lost speedup per slot first. A scheduler with no
+such job takes none of these paths (its schedules are the pinned ones).
 
 Engine use (one queue shared by many notebooks)::
 
@@ -338,15 +338,28 @@ class Scheduler(JobBook):
         return left if size == j.size else left * model.speedup(size) / model.speedup(j.size)
 
     def _goodput_for_queue(self, out: list[Decision]) -> None:
-        """Jobs wait: goodput-sized jobs give back ranks past their knee (or are probed)."""
+        """Jobs wait: goodput-sized jobs give back ranks past their knee (or are probed), in
+        ``goodput_sizing.queue_order``, until the waiting jobs' minimum sizes fit in the
+        free slots (each give-back is a restart: no more than the queue needs)."""
         cfg = self.config
+        need = self._queued_slots - self._state.n_free
+        if need <= 0:
+            return
+        recs: dict[str, JobRecord] = {}
+        changes = []
         for j, c in self._goodput_candidates():
             change = goodput_sizing.for_queue(c, threshold=cfg.goodput_knee,
                                               min_confidence=cfg.goodput_min_confidence)
-            if change is None:
-                continue
+            if change is not None:
+                recs[c.job_id] = j
+                changes.append((c, change))
+        for c, change in goodput_sizing.queue_order(changes):
+            if need <= 0:
+                break
+            j = recs[c.job_id]
             small = self._own_fit(j, change.new)
             if small is not None:
+                need -= j.size - int(small.shape[0])
                 out.append(self._move(j, small, change.reason))
 
     def _goodput_rebalance(self, out: list[Decision]) -> None:
