@@ -169,7 +169,7 @@ class ShardedLoader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.position = DataPosition(epoch=int(state["epoch"]), cursor=int(state["cursor"]))
-        self._prefetch = None  # prefetched batches belong to the old position
+        self.close()  # prefetched batches belong to the old position
 
 
 class _Positions:
