@@ -371,7 +371,6 @@ def test_probes_go_first_among_the_give_backs_while_jobs_wait() -> None:
         change = goodput_sizing.for_queue(c, threshold=0.5, min_confidence=0.3)
         assert change is not None
         changes.append((c, change))
-    order = goodput_sizing.queue_order(changes)
-    assert [(c.job_id, ch.probe, ch.new) for c, ch in order] == [
-        ("fresh", True, 4), ("known", False, order[1][1].new)]
-    assert order[1][1].new < 8
+    (first, probe), (second, knee_change) = goodput_sizing.queue_order(changes)
+    assert (first.job_id, probe.probe, probe.new) == ("fresh", True, 4)
+    assert (second.job_id, knee_change.probe) == ("known", False) and knee_change.new < 8

@@ -54,8 +54,8 @@ from dataclasses import dataclass
 
 from nbtrain.core.goodputmodel import GoodputModel
 
-__all__ = ["Candidate", "SizeChange", "for_queue", "growth_key", "knee", "queue_order",
-           "rebalance", "shrink_cost", "shrink_key", "time_return"]
+__all__ = ["Candidate", "SizeChange", "for_queue", "growth_key", "knee", "loss_per_slot",
+           "queue_order", "rebalance", "shrink_cost", "shrink_key", "time_return"]
 
 #: Time left below this counts as this much when jobs are weighed by it (seconds): a job
 #: about to end is not worth any number of restarts of the others.
@@ -92,6 +92,11 @@ class SizeChange:
 def shrink_cost(model: GoodputModel, old: int, new: int) -> float:
     """Share of its speedup a job loses going from ``old`` to ``new`` ranks (< 0: a gain)."""
     return 1.0 - model.speedup(new) / model.speedup(old)
+
+
+def loss_per_slot(model: GoodputModel, old: int, new: int) -> float:
+    """``shrink_cost`` per slot given up, going from ``old`` to ``new < old`` ranks."""
+    return shrink_cost(model, old, new) / (old - new)
 
 
 def time_return(model: GoodputModel, n: int, r: int) -> float:
@@ -203,7 +208,7 @@ def rebalance(cands: Sequence[Candidate], free: int, *, min_gain: float,
              and c.model.speedup(alloc[c.job_id]) / c.model.speedup(c.size) - 1 >= min_gain}
     need = sum(n - by_id[j].size for j, n in grows.items()) - free
     shrinks: list[tuple[float, str]] = sorted(
-        (shrink_cost(c.model, c.size, alloc[c.job_id]) / (c.size - alloc[c.job_id]), c.job_id)
+        (loss_per_slot(c.model, c.size, alloc[c.job_id]), c.job_id)
         for c in cands if alloc[c.job_id] < c.size)
     kept: dict[str, int] = {}
     for _, jid in shrinks:  # the cheapest per slot first, only as many as growth needs
@@ -272,8 +277,8 @@ def queue_order(changes: Sequence[tuple[Candidate, SizeChange]]
     time the job has left)."""
     def key(pair: tuple[Candidate, SizeChange]) -> tuple[bool, tuple[int, float]]:
         c, change = pair
-        per_slot = shrink_cost(c.model, change.old, change.new) / (change.old - change.new)
-        return (not change.probe, shrink_key(per_slot, c.left_s))
+        return (not change.probe,
+                shrink_key(loss_per_slot(c.model, change.old, change.new), c.left_s))
 
     return sorted(changes, key=key)
 

@@ -397,7 +397,7 @@ class Scheduler(JobBook):
         spare = j.size - j.req.min_slots
         if model is None or not spare:
             return (j.req.priority, 1, (0, float(-spare)), j.seq)
-        loss = goodput_sizing.shrink_cost(model, j.size, j.req.min_slots) / spare
+        loss = goodput_sizing.loss_per_slot(model, j.size, j.req.min_slots)
         return (j.req.priority, 0, goodput_sizing.shrink_key(loss, self._left_s(j, model)),
                 j.seq)
 
