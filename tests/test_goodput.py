@@ -41,6 +41,24 @@ def test_committed_steps_cannot_be_lost() -> None:
     assert g.rollback(0) == 0  # older checkpoint requested: committed steps stay counted
 
 
+def test_a_resume_past_the_rollback_gives_the_steps_up_to_it_back() -> None:
+    """The controller rolled back to step 4, but a checkpoint of step 6 had committed
+    unheard: the ranks restore 6, so only steps 7 and 8 were lost."""
+    g = GoodputLedger(now=0.0)
+    g.enter("training", 0.0)
+    for step in range(1, 9):
+        g.step(step, 1.0)
+    g.committed(4)
+    assert g.rollback(4) == 4
+    assert g.resumed_at(6) == 2
+    b = g.snapshot(now=8.0)
+    assert b.lost_steps == 2 and b.lost_s == pytest.approx(2.0)
+    assert g.resumed_at(6) == 0  # said once per rollback: a second start changes nothing
+    assert g.snapshot(now=8.0).lost_steps == 2
+    g.step(6, 1.0)  # a stale row of a restored step is committed work, not at risk
+    assert g.rollback(6) == 0
+
+
 def test_unknown_phase_is_rejected() -> None:
     with pytest.raises(ValueError, match="unknown goodput phase 'lunch'"):
         GoodputLedger(now=0.0).enter("lunch", 1.0)

@@ -808,10 +808,13 @@ def test_a_commit_the_controller_never_heard_of_corrects_the_faults_resume_step(
             h.join()
     [fault] = h.m.status("a").faults
     assert (fault["resume_step"], fault["lost_steps"]) == (10, 5)
+    assert h.m.status("a").goodput["lost_steps"] == 5
     h.feed(rank_from_wire, "a",
            {"kind": "rank_started", "rank": 0, "generation": 1, "start_step": 12})
     [fault] = h.m.status("a").faults
     assert (fault["resume_step"], fault["lost_steps"]) == (12, 3)
+    # The job's goodput says the same: steps 11 and 12 were not lost after all.
+    assert h.m.status("a").goodput["lost_steps"] == 3
 
 
 def test_a_dead_worker_is_the_cause_even_when_a_peers_error_came_first() -> None:

@@ -60,6 +60,7 @@ class GoodputLedger:
         self._lost_steps = 0
         self._uncommitted: dict[int, float] = {}  # step -> seconds, after the last commit
         self._committed_step = 0
+        self._rolled_back: dict[int, float] = {}  # the last rollback's steps, until a resume
 
     @property
     def phase(self) -> str:
@@ -97,7 +98,23 @@ class GoodputLedger:
         self._lost_s += sum(lost.values())
         self._lost_steps += len(lost)
         self._uncommitted = {s: t for s, t in self._uncommitted.items() if s <= to_step}
+        self._rolled_back = lost
         return len(lost)
+
+    def resumed_at(self, step: int) -> int:
+        """The ranks restored ``step`` and train on from it. Where that is newer than the
+        last rollback's step (a checkpoint committed that the controller had not heard of
+        when it rolled back), the steps up to it were not lost after all and are no longer
+        counted. Returns how many of the last rollback's steps stay lost."""
+        regained = {s: t for s, t in self._rolled_back.items() if s <= step}
+        self._lost_s -= sum(regained.values())
+        self._lost_steps -= len(regained)
+        kept = len(self._rolled_back) - len(regained)
+        self._rolled_back = {}
+        if step > self._committed_step:
+            self._committed_step = step
+            self._uncommitted = {s: t for s, t in self._uncommitted.items() if s > step}
+        return kept
 
     def snapshot(self, now: float) -> Goodput:
         totals = dict(self._totals)

@@ -278,9 +278,10 @@ def _resumed_at(job: LiveJob, start: int) -> None:
     last heard (a rank, or the controller, died right after its commit), the fault being
     recovered from says where the job really resumed and what it really lost."""
     job.committed_step = max(job.committed_step, start)
+    still_lost = job.ledger.resumed_at(start)  # the goodput's lost steps, corrected too
     fault = job.fault_log[-1] if job.recovering and job.fault_log else None
     if fault is None or fault.get("resume_step") is None or fault["resume_step"] >= start:
         return
     fault["resume_step"] = start
-    if fault.get("lost_steps") is not None and fault.get("step") is not None:
-        fault["lost_steps"] = max(0, int(fault["step"]) - start)
+    if fault.get("lost_steps") is not None:
+        fault["lost_steps"] = still_lost
