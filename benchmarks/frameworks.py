@@ -9,6 +9,11 @@
   under ``torchrun --nproc-per-node 2``, alternating rounds, rank 0's own step clock.
 - ``hf_ok``, ``accelerate_ok``, ``lightning_ok``: each framework's job with a rank killed
   mid-run ends SUCCEEDED with parameters equal to an uninterrupted run's (bit-exact).
+- ``dask_tasks_hf_ratio``: the same ``Trainer`` (the torchrun peer's code) run as two plain
+  Dask tasks on the cluster's two workers, with the torchrun environment set by hand and no
+  nbtrain in the loop (no controller, no step loop, no step rows), over torchrun, in the
+  same alternating rounds. ``hf_trainer_over_dask_tasks`` is nbtrain's rate over that one:
+  what nbtrain itself costs, apart from running inside a Dask worker process.
 - ``hf_trainer_extra_ms_per_step``: what the ratio means in time, the median step under
   nbtrain less the median step under torchrun.
 - ``scheduler_cpu_ms_per_step``: CPU this process used per step of the nbtrain HF runs'
@@ -26,8 +31,9 @@ Both rates move by up to 10-15% from one run to the next on a shared 2-core mach
 either system (a long steady window of each measured 27-41 steps/s within one hour), so a
 ratio from two rounds says little. The ratios are of the medians over rounds; next to them
 ``*_pair_ratios`` lists each round's nbtrain rate over the torchrun rate of the same round
-(the two ran back to back) and ``*_pair_iqr`` the spread of those, so a reader sees how far
-one figure can be trusted. ``--rounds`` and ``--steps`` set how much is measured.
+(the two ran back to back), ``*_pair_median`` their median and ``*_pair_iqr`` their spread,
+so a reader sees how far one figure can be trusted. ``--rounds`` and ``--steps`` set how
+much is measured.
 
 Usage: ``python benchmarks/frameworks.py [--quick] [--rounds N] [--steps N]``. Last stdout
 line: JSON. A torchrun run that fails is tried once more (``benchmarks/_peers.py``); if it
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import signal
@@ -70,6 +77,56 @@ def run_nbtrain_hf(cluster: nbtrain.Cluster, steps: int, work: Path) -> tuple[fl
     steady = times[len(times) // 4:]
     cpu = clock.between(steady[0], steady[-1])
     return steady_rate(times), cpu / (len(steady) - 1) * 1000
+
+
+def _hf_rank_task(rank: int, port: int, work: str, steps: int) -> list[float]:
+    """One rank of the torchrun peer's ``Trainer`` inside a plain Dask task: the torchrun
+    environment by hand, the process group, the ``Trainer``; rank 0's step end times."""
+    import torch
+    import torch.distributed as dist
+
+    from nbtrain.framework_examples import build_trainer
+
+    env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        dist.init_process_group("gloo")
+        torch.set_num_threads(1)
+        trainer, times = build_trainer({"work_dir": work, "n_embd": N_EMBD}, max_steps=steps)
+        trainer.train()
+        # Both ranks are done with the group's collectives before its DDP reducer (and with
+        # it the group) is freed: otherwise the group's teardown can wait forever for a peer
+        # that already left (seen: ProcessGroupGloo's destructor joining its threads).
+        dist.barrier()
+        del trainer
+        gc.collect()
+        dist.destroy_process_group()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return times
+
+
+def run_dask_tasks_hf(cluster: nbtrain.Cluster, steps: int, work: Path) -> float:
+    """The torchrun peer's ``Trainer`` as two plain Dask tasks on the cluster's two workers
+    (nbtrain's controller sees no job): the steady rate of rank 0."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = cluster.client
+    workers = sorted(client.scheduler_info()["workers"])[:2]
+    futures = [client.submit(_hf_rank_task, rank, port, str(work), steps, workers=[addr],
+                             allow_other_workers=False, pure=False)
+               for rank, addr in enumerate(workers)]
+    times = client.gather(futures)[0]
+    return steady_rate(times)
 
 
 class CpuClock:
@@ -194,13 +251,17 @@ def recovers_exactly(cluster: nbtrain.Cluster, fn: Any, root: Path, steps: int) 
 def pair_figures(name: str, ours: list[float], peers: list[PeerResult[float]]
                  ) -> dict[str, Any]:
     """Each round's nbtrain rate over its torchrun peer's (rounds whose peer failed are left
-    out) and the interquartile range of those ratios."""
+    out), their median (each pair ran back to back, so a drift of the machine's speed over
+    the run cancels in it; the headline ratios are of the medians over rounds) and their
+    interquartile range."""
     pairs = [o / p.value for o, p in zip(ours, peers, strict=True) if p.value]
     iqr = None
     if len(pairs) >= 2:
         q1, _, q3 = statistics.quantiles(pairs, n=4)
         iqr = round(q3 - q1, 4)
-    return {f"{name}_pair_ratios": [round(r, 3) for r in pairs], f"{name}_pair_iqr": iqr}
+    return {f"{name}_pair_ratios": [round(r, 3) for r in pairs],
+            f"{name}_pair_median": round(statistics.median(pairs), 4) if pairs else None,
+            f"{name}_pair_iqr": iqr}
 
 
 def measure_interference(steps: int, rounds: int, busy_ms: float, peer_rates: list[float]
@@ -244,22 +305,27 @@ def main() -> None:
     ours: list[float] = []
     cpu_ms: list[float] = []
     peers: list[PeerResult[float]] = []
+    dask_tasks: list[float] = []
     with nbtrain.connect(n_workers=2, settings=nbtrain.Settings.load(
             checkpoint_root=str(root / "checkpoints"))) as cluster:
         run_nbtrain_hf(cluster, 20, root / "warm")  # the workers import transformers once
+        run_dask_tasks_hf(cluster, 20, root / "dask-warm")
         for i in range(rounds):
-            order = ["nbtrain", "torchrun"] if i % 2 == 0 else ["torchrun", "nbtrain"]
-            for which in order:
+            order = ["nbtrain", "torchrun", "dask"]
+            for which in order if i % 2 == 0 else order[::-1]:
                 if which == "nbtrain":
                     rate, cpu = run_nbtrain_hf(cluster, steps, root / f"hf-{i}")
                     ours.append(rate)
                     cpu_ms.append(cpu)
+                elif which == "dask":
+                    dask_tasks.append(run_dask_tasks_hf(cluster, steps, root / f"dask-{i}"))
                 else:
                     peers.append(run_peer("torchrun-hf", functools.partial(run_torchrun_hf,
                                                                            steps)))
             peer = peers[-1].value
             print(f"round {i + 1}/{rounds}: nbtrain {ours[-1]:.1f} steps/s, torchrun "
-                  + (f"{peer:.1f} steps/s" if peer is not None else "failed"), flush=True)
+                  + (f"{peer:.1f} steps/s" if peer is not None else "failed")
+                  + f", plain Dask tasks {dask_tasks[-1]:.1f} steps/s", flush=True)
         interference = measure_interference(steps, min(rounds, 4), statistics.median(cpu_ms),
                                             [p.value for p in peers if p.value is not None])
         script: list[float] = []
@@ -293,6 +359,12 @@ def main() -> None:
         "script_ratio": ratio(statistics.median(script), statistics.median(got_script)
                               if got_script else None),
         **pair_figures("hf_trainer", ours, peers),
+        "dask_tasks_hf_steps_per_s": round(statistics.median(dask_tasks), 2),
+        "dask_tasks_hf_ratio": ratio(statistics.median(dask_tasks), statistics.median(got)
+                                     if got else None),
+        "hf_trainer_over_dask_tasks": ratio(statistics.median(ours),
+                                            statistics.median(dask_tasks)),
+        **pair_figures("dask_tasks_hf", dask_tasks, peers),
         "hf_trainer_extra_ms_per_step": round(1000 / statistics.median(ours)
                                               - 1000 / statistics.median(got), 2) if got else None,
         "scheduler_cpu_ms_per_step": round(statistics.median(cpu_ms), 2),
