@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from nbtrain.core import goodput
 from nbtrain.core.goodput import GoodputLedger
 
 
@@ -57,6 +58,37 @@ def test_a_resume_past_the_rollback_gives_the_steps_up_to_it_back() -> None:
     assert g.snapshot(now=8.0).lost_steps == 2
     g.step(6, 1.0)  # a stale row of a restored step is committed work, not at risk
     assert g.rollback(6) == 0
+
+
+def test_a_restore_older_than_the_newest_commit_loses_the_steps_after_it() -> None:
+    """Checkpoints of steps 4 and 8 committed; a fault at step 12 rolls back to 8, but 8 is
+    unreadable and the ranks restore 4: steps 5-12 are computed again."""
+    g = GoodputLedger(now=0.0)
+    g.enter("training", 0.0)
+    for step in range(1, 13):
+        g.step(step, 0.5)
+        if step in (4, 8):
+            g.committed(step)
+    assert g.rollback(8) == 4
+    assert g.resumed_at(4) == 8
+    b = g.snapshot(now=6.0)
+    assert b.lost_steps == 8 and b.lost_s == pytest.approx(4.0)
+    for step in range(5, 9):  # the new generation trains them again, and commits 8 again
+        g.step(step, 0.5)
+    g.committed(8)
+    assert g.rollback(8) == 0 and g.snapshot(now=8.0).lost_steps == 8
+
+
+def test_committed_step_times_kept_are_bounded() -> None:
+    g = GoodputLedger(now=0.0)
+    g.enter("training", 0.0)
+    steps = goodput.RECENT_STEPS + 100
+    for step in range(1, steps + 1):
+        g.step(step, 1.0)
+        g.committed(step)
+    g.rollback(steps)
+    # The ranks fall back to step 0: only the newest RECENT_STEPS steps' times are known.
+    assert g.resumed_at(0) == goodput.RECENT_STEPS
 
 
 def test_unknown_phase_is_rejected() -> None:

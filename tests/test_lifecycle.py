@@ -817,6 +817,30 @@ def test_a_commit_the_controller_never_heard_of_corrects_the_faults_resume_step(
     assert h.m.status("a").goodput["lost_steps"] == 3
 
 
+def test_a_restore_that_falls_back_past_an_unreadable_checkpoint_corrects_the_fault() -> None:
+    """Checkpoints of steps 5 and 10 committed; rank 0 dies at step 15; the controller
+    rolls back to 10, but 10 is unreadable and the ranks restore 5: the fault and the
+    goodput both say 10 steps were lost."""
+    h = Harness()
+    h.submit("a", 2)
+    h.steps("a", 0, 15)
+    h.committed("a", 0, 5)
+    h.committed("a", 0, 10)
+    h.fail("a", 0, 0, step=15)
+    h.fail("a", 0, 1, peer=True, step=15)
+    h.advance(1.0)
+    for slot in h.m.slots():
+        if slot["state"] == "restarting":
+            h.join()
+    [fault] = h.m.status("a").faults
+    assert (fault["resume_step"], fault["lost_steps"]) == (10, 5)
+    h.feed(rank_from_wire, "a",
+           {"kind": "rank_started", "rank": 0, "generation": 1, "start_step": 5})
+    [fault] = h.m.status("a").faults
+    assert (fault["resume_step"], fault["lost_steps"]) == (5, 10)
+    assert h.m.status("a").goodput["lost_steps"] == 10
+
+
 def test_a_dead_worker_is_the_cause_even_when_a_peers_error_came_first() -> None:
     """The worker of rank 1 is killed; rank 0's DataLoader child goes with the broken job and
     rank 0 reports that before the scheduler notices the worker gone: the fault is the lost

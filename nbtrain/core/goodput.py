@@ -10,8 +10,9 @@ from its own clock; the ledger never reads a clock. Phases:
 
 Training time is split further: checkpoint blocking (the loop's snapshot copies), lost work
 (steps computed and then rolled back by a restart from an older checkpoint) and the rest,
-which is productive. Only steps after the newest committed checkpoint can be lost, so the
-ledger keeps per-step times for those alone.
+which is productive. Steps after the newest committed checkpoint are lost by a restart; the
+steps before it only when the ranks restore an older one (the newest unreadable), so the
+ledger keeps per-step times for the former and for the last ``RECENT_STEPS`` of the latter.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PHASES = ("queued", "startup", "recovery", "training", "ended")
+#: Committed steps whose times the ledger keeps, for a restore that falls back past them.
+RECENT_STEPS = 4096
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class GoodputLedger:
         self._uncommitted: dict[int, float] = {}  # step -> seconds, after the last commit
         self._committed_step = 0
         self._rolled_back: dict[int, float] = {}  # the last rollback's steps, until a resume
+        self._recent: dict[int, float] = {}  # committed steps, the newest RECENT_STEPS
 
     @property
     def phase(self) -> str:
@@ -90,7 +94,16 @@ class GoodputLedger:
         """A checkpoint of ``step`` committed: steps up to it can no longer be lost."""
         if step > self._committed_step:
             self._committed_step = step
-            self._uncommitted = {s: t for s, t in self._uncommitted.items() if s > step}
+            self._keep_committed(step)
+
+    def _keep_committed(self, step: int) -> None:
+        """Steps up to ``step`` are committed: keep their times (bounded) among the recent."""
+        # Committed in step order (a fall-back drops the newer ones first), so the dict's
+        # first keys are the oldest steps.
+        self._recent.update(sorted((s, t) for s, t in self._uncommitted.items() if s <= step))
+        self._uncommitted = {s: t for s, t in self._uncommitted.items() if s > step}
+        for old in list(self._recent)[: max(0, len(self._recent) - RECENT_STEPS)]:
+            del self._recent[old]
 
     def rollback(self, to_step: int) -> int:
         """A restart resumes after ``to_step``: later steps were lost. Returns how many."""
@@ -102,19 +115,30 @@ class GoodputLedger:
         return len(lost)
 
     def resumed_at(self, step: int) -> int:
-        """The ranks restored ``step`` and train on from it. Where that is newer than the
-        last rollback's step (a checkpoint committed that the controller had not heard of
-        when it rolled back), the steps up to it were not lost after all and are no longer
-        counted. Returns how many of the last rollback's steps stay lost."""
+        """The ranks restored ``step`` and train on from it; returns how many steps the
+        restart lost in all (the last rollback's, corrected).
+
+        Newer than the last rollback's step (a checkpoint committed that the controller had
+        not heard of when it rolled back): the steps up to it were not lost after all and
+        are no longer counted. Older than the newest commit (the ranks fell back past an
+        unreadable checkpoint): the committed steps after it are computed again, so they
+        are lost too."""
         regained = {s: t for s, t in self._rolled_back.items() if s <= step}
         self._lost_s -= sum(regained.values())
         self._lost_steps -= len(regained)
-        kept = len(self._rolled_back) - len(regained)
+        lost = len(self._rolled_back) - len(regained)
         self._rolled_back = {}
         if step > self._committed_step:
             self._committed_step = step
-            self._uncommitted = {s: t for s, t in self._uncommitted.items() if s > step}
-        return kept
+            self._keep_committed(step)
+        elif step < self._committed_step:
+            again = {s: t for s, t in self._recent.items() if s > step}
+            self._lost_s += sum(again.values())
+            self._lost_steps += len(again)
+            lost += len(again)
+            self._recent = {s: t for s, t in self._recent.items() if s <= step}
+            self._committed_step = step
+        return lost
 
     def snapshot(self, now: float) -> Goodput:
         totals = dict(self._totals)

@@ -274,14 +274,16 @@ _REPORTS: dict[type[RankEvent], Callable[[LiveJob, Generation | None, Any, float
 
 
 def _resumed_at(job: LiveJob, start: int) -> None:
-    """The ranks restored step ``start``: where a checkpoint committed after the controller
-    last heard (a rank, or the controller, died right after its commit), the fault being
-    recovered from says where the job really resumed and what it really lost."""
+    """The ranks restored step ``start``. Where that is not the step the controller rolled
+    back to (a checkpoint committed after the controller last heard, because a rank or the
+    controller died right after its commit; or the newest checkpoint was unreadable and the
+    ranks fell back to an older one), the fault being recovered from says where the job
+    really resumed, and it and the goodput say what it really lost."""
     job.committed_step = max(job.committed_step, start)
-    still_lost = job.ledger.resumed_at(start)  # the goodput's lost steps, corrected too
+    lost = job.ledger.resumed_at(start)
     fault = job.fault_log[-1] if job.recovering and job.fault_log else None
-    if fault is None or fault.get("resume_step") is None or fault["resume_step"] >= start:
+    if fault is None or fault.get("resume_step") is None or fault["resume_step"] == start:
         return
     fault["resume_step"] = start
     if fault.get("lost_steps") is not None:
-        fault["lost_steps"] = still_lost
+        fault["lost_steps"] = lost
