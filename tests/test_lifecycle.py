@@ -793,13 +793,20 @@ def test_a_rank_waiting_for_its_checkpoint_writer_makes_the_job_slow_not_hung() 
     assert h.m.status("a").state == "RUNNING" and not h.m.status("a").faults
 
 
-def test_a_commit_the_controller_never_heard_of_corrects_the_faults_resume_step() -> None:
-    """Rank 0 committed step 12 and died before its message got out: the controller thought
-    the job resumes from 10 (5 steps lost); the ranks restore 12, and the fault says so."""
+@pytest.mark.parametrize(("committed", "restored", "lost"), [
+    ((10,), 12, 3),    # 12 committed, and rank 0 died before its message got out
+    ((5, 10), 5, 10),  # 10 was unreadable: the ranks fell back to 5
+])
+def test_the_checkpoint_the_ranks_restore_corrects_the_fault_and_the_goodput(
+        committed: tuple[int, ...], restored: int, lost: int) -> None:
+    """Rank 0 dies at step 15; the newest commit the controller heard of is 10, so it expects
+    the job to resume from 10 (5 steps lost). The ranks restore another step: the fault and
+    the job's goodput then both say where the job resumed and what it lost."""
     h = Harness()
     h.submit("a", 2)
     h.steps("a", 0, 15)
-    h.committed("a", 0, 10)
+    for step in committed:
+        h.committed("a", 0, step)
     h.fail("a", 0, 0, step=15)
     h.fail("a", 0, 1, peer=True, step=15)
     h.advance(1.0)
@@ -810,35 +817,10 @@ def test_a_commit_the_controller_never_heard_of_corrects_the_faults_resume_step(
     assert (fault["resume_step"], fault["lost_steps"]) == (10, 5)
     assert h.m.status("a").goodput["lost_steps"] == 5
     h.feed(rank_from_wire, "a",
-           {"kind": "rank_started", "rank": 0, "generation": 1, "start_step": 12})
+           {"kind": "rank_started", "rank": 0, "generation": 1, "start_step": restored})
     [fault] = h.m.status("a").faults
-    assert (fault["resume_step"], fault["lost_steps"]) == (12, 3)
-    # The job's goodput says the same: steps 11 and 12 were not lost after all.
-    assert h.m.status("a").goodput["lost_steps"] == 3
-
-
-def test_a_restore_that_falls_back_past_an_unreadable_checkpoint_corrects_the_fault() -> None:
-    """Checkpoints of steps 5 and 10 committed; rank 0 dies at step 15; the controller
-    rolls back to 10, but 10 is unreadable and the ranks restore 5: the fault and the
-    goodput both say 10 steps were lost."""
-    h = Harness()
-    h.submit("a", 2)
-    h.steps("a", 0, 15)
-    h.committed("a", 0, 5)
-    h.committed("a", 0, 10)
-    h.fail("a", 0, 0, step=15)
-    h.fail("a", 0, 1, peer=True, step=15)
-    h.advance(1.0)
-    for slot in h.m.slots():
-        if slot["state"] == "restarting":
-            h.join()
-    [fault] = h.m.status("a").faults
-    assert (fault["resume_step"], fault["lost_steps"]) == (10, 5)
-    h.feed(rank_from_wire, "a",
-           {"kind": "rank_started", "rank": 0, "generation": 1, "start_step": 5})
-    [fault] = h.m.status("a").faults
-    assert (fault["resume_step"], fault["lost_steps"]) == (5, 10)
-    assert h.m.status("a").goodput["lost_steps"] == 10
+    assert (fault["resume_step"], fault["lost_steps"]) == (restored, lost)
+    assert h.m.status("a").goodput["lost_steps"] == lost
 
 
 def test_a_dead_worker_is_the_cause_even_when_a_peers_error_came_first() -> None:
