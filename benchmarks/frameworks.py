@@ -61,6 +61,7 @@ from _peers import PeerAttempt, PeerResult, peer_figures, ratio, run_peer
 from overhead import PLAIN_ENV, steady_rate  # the environment before connect(), rates
 
 import nbtrain
+from nbtrain.engine.standalone import free_port
 from nbtrain.framework_examples import accelerate_train, fabric_train, hf_trainer_train
 
 HERE = Path(__file__).resolve().parent
@@ -115,11 +116,7 @@ def _hf_rank_task(rank: int, port: int, work: str, steps: int) -> list[float]:
 def run_dask_tasks_hf(cluster: nbtrain.Cluster, steps: int, work: Path) -> float:
     """The torchrun peer's ``Trainer`` as two plain Dask tasks on the cluster's two workers
     (nbtrain's controller sees no job): the steady rate of rank 0."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     client = cluster.client
     workers = sorted(client.scheduler_info()["workers"])[:2]
     futures = [client.submit(_hf_rank_task, rank, port, str(work), steps, workers=[addr],

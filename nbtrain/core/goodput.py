@@ -17,6 +17,7 @@ ledger keeps per-step times for the former and for the last ``RECENT_STEPS`` of 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 PHASES = ("queued", "startup", "recovery", "training", "ended")
@@ -64,7 +65,8 @@ class GoodputLedger:
         self._uncommitted: dict[int, float] = {}  # step -> seconds, after the last commit
         self._committed_step = 0
         self._rolled_back: dict[int, float] = {}  # the last rollback's steps, until a resume
-        self._recent: dict[int, float] = {}  # committed steps, the newest RECENT_STEPS
+        # Committed steps, the newest RECENT_STEPS, oldest first.
+        self._recent: OrderedDict[int, float] = OrderedDict()
 
     @property
     def phase(self) -> str:
@@ -98,12 +100,12 @@ class GoodputLedger:
 
     def _keep_committed(self, step: int) -> None:
         """Steps up to ``step`` are committed: keep their times (bounded) among the recent."""
-        # Committed in step order (a fall-back drops the newer ones first), so the dict's
-        # first keys are the oldest steps.
+        # Committed in step order (a fall-back drops the newer ones first), so the oldest
+        # steps come first and leave first.
         self._recent.update(sorted((s, t) for s, t in self._uncommitted.items() if s <= step))
         self._uncommitted = {s: t for s, t in self._uncommitted.items() if s > step}
-        for old in list(self._recent)[: max(0, len(self._recent) - RECENT_STEPS)]:
-            del self._recent[old]
+        while len(self._recent) > RECENT_STEPS:
+            self._recent.popitem(last=False)
 
     def rollback(self, to_step: int) -> int:
         """A restart resumes after ``to_step``: later steps were lost. Returns how many."""
@@ -132,11 +134,11 @@ class GoodputLedger:
             self._committed_step = step
             self._keep_committed(step)
         elif step < self._committed_step:
-            again = {s: t for s, t in self._recent.items() if s > step}
-            self._lost_s += sum(again.values())
-            self._lost_steps += len(again)
-            lost += len(again)
-            self._recent = {s: t for s, t in self._recent.items() if s <= step}
+            while self._recent and next(reversed(self._recent)) > step:
+                _, seconds = self._recent.popitem()  # the newest: computed again
+                self._lost_s += seconds
+                self._lost_steps += 1
+                lost += 1
             self._committed_step = step
         return lost
 
