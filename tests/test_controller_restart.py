@@ -53,6 +53,9 @@ def test_scheduler_killed_while_checkpoints_commit_loses_no_committed_step(
         resumed = [e for e in job.events if e["kind"] == "rank_started" and e["rank"] == 0
                    and e["generation"] == job.generation]
         assert resumed and int(resumed[0]["start_step"]) == restart["resume_step"]
+        # One count of lost steps, also when the ranks restored a commit the journal had
+        # not recorded (the goodput went on from the journal's and gave those back).
+        assert job.goodput()["lost_steps"] == restart["lost_steps"], (job.goodput(), restart)
         assert_params_equal(out, single_process_params(150))
 
 
@@ -97,6 +100,13 @@ def test_a_training_job_resumes_exactly_and_the_queue_held_jobs_and_ownership_su
         [restart] = [f for f in running.faults if f["what"] == "controller"]
         assert restart["resume_step"] >= 40 - 10 and restart["time"] >= killed - 1
         assert running.restarts == 0, "a controller restart is charged to no restart budget"
+        # The goodput went on from the journal: it spans the job's whole life, the outage
+        # included (as recovery), not just the time since the restart.
+        snap, goodput = running.snapshot(), running.goodput()
+        assert snap.ended is not None
+        assert goodput["wall_s"] == pytest.approx(snap.ended - snap.submitted, abs=1.0)
+        assert goodput["recovery_s"] >= 2 * NOTICE_WITHIN_S, goodput
+        assert goodput["lost_steps"] == restart["lost_steps"], (goodput, restart)
         assert running.generation >= 1, "the resumed generation is numbered above the old one"
         assert_params_equal(out, single_process_params(300))
         for job in queued:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from nbtrain.core import goodput
@@ -87,8 +89,66 @@ def test_committed_step_times_kept_are_bounded() -> None:
         g.step(step, 1.0)
         g.committed(step)
     g.rollback(steps)
-    # The ranks fall back to step 0: only the newest RECENT_STEPS steps' times are known.
-    assert g.resumed_at(0) == goodput.RECENT_STEPS
+    # The ranks fall back to step 0: every step is computed again; the newest RECENT_STEPS
+    # count at their own times, the older ones at the mean committed step time.
+    assert len(g._recent) == goodput.RECENT_STEPS
+    assert g.resumed_at(0) == steps
+    assert g.snapshot(now=float(steps)).lost_s == pytest.approx(float(steps))
+
+
+def test_steps_at_risk_are_kept_bounded_and_still_counted() -> None:
+    """No checkpoint for 3 * RECENT_STEPS steps of 1 s: the ledger keeps the newest
+    RECENT_STEPS one by one and the older ones as one run; a commit inside that run, a
+    rollback and a newer restore still count every step."""
+    g = GoodputLedger(now=0.0)
+    g.enter("training", 0.0)
+    n = 3 * goodput.RECENT_STEPS
+    for step in range(1, n + 1):
+        g.step(step, 1.0)
+    assert len(g._uncommitted.each) == goodput.RECENT_STEPS
+    assert g._uncommitted.count() == n
+    g.committed(1000)  # inside the folded run
+    assert g.rollback(1000) == n - 1000
+    assert g.resumed_at(2000) == n - 2000  # a newer restore gives steps 1001-2000 back
+    b = g.snapshot(now=float(n))
+    assert b.lost_steps == n - 2000 and b.lost_s == pytest.approx(n - 2000)
+    assert b.productive_s == pytest.approx(2000)
+
+
+def test_a_carried_ledger_continues_after_a_controller_restart() -> None:
+    """Journaled 7 s in (queued 1 s, startup 1 s, 10 steps of 0.5 s, step 6 committed); the
+    controller is back 5 s later: the totals go on, the 5 s down count as recovery, steps
+    7-10 are lost, and the carry is plain JSON."""
+    g = GoodputLedger(now=0.0)
+    g.enter("startup", 1.0)
+    g.enter("training", 2.0)
+    for step in range(1, 11):
+        g.step(step, 0.5)
+    g.checkpoint_blocked(0.2)
+    g.committed(6)
+    carried = json.loads(json.dumps(g.carry(now=7.0)))
+    c = GoodputLedger.continued(carried, now=1000.0, down_s=5.0)
+    c.enter("recovery", 1000.0)          # what the restored job does at once
+    b = c.snapshot(now=1003.0)           # 3 s more of recovery
+    assert b.wall_s == pytest.approx(15.0)
+    assert b.queued_s == pytest.approx(1.0) and b.startup_s == pytest.approx(1.0)
+    assert b.recovery_s == pytest.approx(8.0) and b.checkpoint_s == pytest.approx(0.2)
+    assert b.lost_steps == 4 and b.lost_s == pytest.approx(2.0)
+    # training 5 s, minus 0.2 blocking, minus 2 lost
+    assert b.productive_s == pytest.approx(2.8)
+    # The ranks restore step 8 (committed after the journal's last write): 7 and 8 come
+    # back at the mean time of the steps at risk.
+    assert c.resumed_at(8) == 2
+    assert c.snapshot(now=1003.0).lost_s == pytest.approx(1.0)
+    assert c.rollback(8) == 0 and c.snapshot(now=1003.0).lost_steps == 2
+
+
+def test_a_carried_queued_ledger_stays_queued_for_the_time_down() -> None:
+    g = GoodputLedger(now=0.0)
+    c = GoodputLedger.continued(g.carry(now=4.0), now=50.0, down_s=6.0)
+    b = c.snapshot(now=51.0)
+    assert b.queued_s == pytest.approx(11.0) and b.wall_s == pytest.approx(11.0)
+    assert b.recovery_s == 0.0 and b.lost_steps == 0
 
 
 def test_unknown_phase_is_rejected() -> None:

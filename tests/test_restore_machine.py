@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from nbtrain.core.faults import Fault
 from nbtrain.core.job import JobSpec
 from nbtrain.core.lifecycle_types import JobSubmission, Launch, Rejected, Submitted
@@ -191,3 +193,28 @@ def test_a_job_stopping_when_the_controller_restarts_ends_instead_of_training_on
                              "was stopping, so it ends at its newest committed checkpoint")
     n.submit("b")  # the cluster is free for others
     assert len(n.launches("b")) == 1
+
+
+def test_the_goodput_continues_from_the_journal_and_agrees_with_the_restart_fault() -> None:
+    """Steps 1-30 of 0.01 s trained over 10 s, 20 committed, journaled; back 30 s later: the
+    job's goodput goes on from the old totals (not from 0), the 30 s down are recovery, and
+    the ledger and the controller's fault both count steps 21-30 as lost."""
+    h = Harness()
+    h.submit("a")
+    h.advance(1.0)
+    h.steps("a", 0, 10)
+    h.advance(9.0)
+    h.steps("a", 0, 30)
+    h.committed("a", 0, 20)
+    before = h.m.status("a").goodput
+    assert before["productive_s"] > 0 and before["lost_steps"] == 0
+    n = carry_over(h, ["a"])
+    after = n.m.status("a").goodput
+    assert after["wall_s"] == pytest.approx(before["wall_s"] + 30.0)
+    assert after["recovery_s"] == pytest.approx(before["recovery_s"] + 30.0)
+    assert after["queued_s"] == pytest.approx(before["queued_s"])
+    assert after["startup_s"] == pytest.approx(before["startup_s"])
+    assert after["lost_steps"] == 10 and after["lost_s"] == pytest.approx(0.1)
+    assert after["productive_s"] == pytest.approx(before["productive_s"] - 0.1)
+    [restart] = [f for f in n.m.status("a").faults if f["what"] == "controller"]
+    assert restart["lost_steps"] == 10 and restart["resume_step"] == 20

@@ -25,9 +25,9 @@ its ledger). The series does not read a clock: the caller passes its monotonic a
 
 **What a restart keeps.** The points are plain dicts (:meth:`ClusterGoodputSeries.points`);
 give them back to a new series (``ClusterGoodputSeries(points=...)``) and it continues after
-them. The ledgers' baselines are not kept (a restarted controller's ledgers start again), so
-the first sample of a new series only sets them: the line breaks where no sample came for
-more than two periods.
+them. The ledgers' baselines are not kept (the jobs' ledgers go on from the journal, but the
+series does not know where they were at its last sample), so the first sample of a new
+series only sets them: the line breaks where no sample came for more than two periods.
 """
 
 from __future__ import annotations

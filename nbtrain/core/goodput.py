@@ -12,13 +12,22 @@ Training time is split further: checkpoint blocking (the loop's snapshot copies)
 (steps computed and then rolled back by a restart from an older checkpoint) and the rest,
 which is productive. Steps after the newest committed checkpoint are lost by a restart; the
 steps before it only when the ranks restore an older one (the newest unreadable), so the
-ledger keeps per-step times for the former and for the last ``RECENT_STEPS`` of the latter.
+ledger keeps per-step times for the former and for the last ``RECENT_STEPS`` of the latter
+(older committed steps computed again count at the mean committed step time).
+
+**A controller restart** (``carry``/``continued``): the journal holds the ledger's totals as
+of its last journal write (plain numbers, bounded), and the restarted controller's ledger
+continues them. The time from that write to the restart counts as recovery for a job that was
+training (what it trained then was never committed as far as the journal knows), and in its
+own phase otherwise; the steps after the newest commit are lost, as in any restart.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 PHASES = ("queued", "startup", "recovery", "training", "ended")
 #: Committed steps whose times the ledger keeps, for a restore that falls back past them.
@@ -51,8 +60,57 @@ class Goodput:
         }
 
 
+class _Steps:
+    """Seconds per step of a set of steps, bounded: the newest ``RECENT_STEPS`` one by one,
+    older ones folded into one run (count, seconds, first and last step) that splits as if
+    its steps were spread evenly over its span."""
+
+    def __init__(self, each: Mapping[int, float] | None = None, n: int = 0, s: float = 0.0,
+                 first: int = 0, last: int = 0) -> None:
+        self.each: OrderedDict[int, float] = OrderedDict(each or {})
+        self.n, self.s, self.first, self.last = n, s, first, last
+
+    def add(self, step: int, seconds: float) -> None:
+        self.each[step] = seconds
+        while len(self.each) > RECENT_STEPS:
+            old, t = self.each.popitem(last=False)
+            self.first = min(self.first, old) if self.n else old
+            self.last = max(self.last, old) if self.n else old
+            self.n += 1
+            self.s += t
+
+    def count(self) -> int:
+        return self.n + len(self.each)
+
+    def seconds(self) -> float:
+        return self.s + sum(self.each.values())
+
+    def lowest(self, default: int) -> int:
+        return self.first if self.n else min(self.each, default=default)
+
+    def split(self, at: int) -> tuple[_Steps, _Steps]:
+        """(the steps up to ``at``, the steps after it)."""
+        upto = _Steps({k: v for k, v in self.each.items() if k <= at})
+        after = _Steps({k: v for k, v in self.each.items() if k > at})
+        if self.n:
+            if at >= self.last:
+                k = self.n
+            elif at < self.first:
+                k = 0
+            else:
+                k = round(self.n * (at - self.first + 1) / (self.last - self.first + 1))
+            mean = self.s / self.n
+            if k:
+                upto.n, upto.s, upto.first, upto.last = k, k * mean, self.first, min(at, self.last)
+            if self.n - k:
+                after.n, after.s = self.n - k, self.s - k * mean
+                after.first, after.last = max(at + 1, self.first), self.last
+        return upto, after
+
+
 class GoodputLedger:
-    """Accumulates phase durations and step outcomes of one job."""
+    """Accumulates phase durations and step outcomes of one job (bounded memory whatever
+    its length: see ``_Steps``)."""
 
     def __init__(self, now: float) -> None:
         self._start = now
@@ -62,11 +120,14 @@ class GoodputLedger:
         self._checkpoint_s = 0.0
         self._lost_s = 0.0
         self._lost_steps = 0
-        self._uncommitted: dict[int, float] = {}  # step -> seconds, after the last commit
+        self._uncommitted = _Steps()  # the steps after the last commit
         self._committed_step = 0
-        self._rolled_back: dict[int, float] = {}  # the last rollback's steps, until a resume
+        self._rolled_back = _Steps()  # the last rollback's steps, until a resume
         # Committed steps, the newest RECENT_STEPS, oldest first.
         self._recent: OrderedDict[int, float] = OrderedDict()
+        # All committed steps (also those no longer kept): their count and seconds.
+        self._committed_n = 0
+        self._committed_s = 0.0
 
     @property
     def phase(self) -> str:
@@ -87,7 +148,7 @@ class GoodputLedger:
     def step(self, step: int, seconds: float) -> None:
         """Rank 0 finished ``step`` taking ``seconds``."""
         if step > self._committed_step:
-            self._uncommitted[step] = seconds
+            self._uncommitted.add(step, seconds)
 
     def checkpoint_blocked(self, seconds: float) -> None:
         self._checkpoint_s += max(0.0, seconds)
@@ -100,21 +161,22 @@ class GoodputLedger:
 
     def _keep_committed(self, step: int) -> None:
         """Steps up to ``step`` are committed: keep their times (bounded) among the recent."""
+        newly, self._uncommitted = self._uncommitted.split(step)
         # Committed in step order (a fall-back drops the newer ones first), so the oldest
         # steps come first and leave first.
-        self._recent.update(sorted((s, t) for s, t in self._uncommitted.items() if s <= step))
-        self._uncommitted = {s: t for s, t in self._uncommitted.items() if s > step}
+        self._recent.update(sorted(newly.each.items()))
+        self._committed_n += newly.count()
+        self._committed_s += newly.seconds()
         while len(self._recent) > RECENT_STEPS:
             self._recent.popitem(last=False)
 
     def rollback(self, to_step: int) -> int:
         """A restart resumes after ``to_step``: later steps were lost. Returns how many."""
-        lost = {s: t for s, t in self._uncommitted.items() if s > to_step}
-        self._lost_s += sum(lost.values())
-        self._lost_steps += len(lost)
-        self._uncommitted = {s: t for s, t in self._uncommitted.items() if s <= to_step}
+        self._uncommitted, lost = self._uncommitted.split(to_step)
+        self._lost_s += lost.seconds()
+        self._lost_steps += lost.count()
         self._rolled_back = lost
-        return len(lost)
+        return lost.count()
 
     def resumed_at(self, step: int) -> int:
         """The ranks restored ``step`` and train on from it; returns how many steps the
@@ -125,22 +187,74 @@ class GoodputLedger:
         are no longer counted. Older than the newest commit (the ranks fell back past an
         unreadable checkpoint): the committed steps after it are computed again, so they
         are lost too."""
-        regained = {s: t for s, t in self._rolled_back.items() if s <= step}
-        self._lost_s -= sum(regained.values())
-        self._lost_steps -= len(regained)
-        lost = len(self._rolled_back) - len(regained)
-        self._rolled_back = {}
+        regained, still = self._rolled_back.split(step)
+        self._lost_s -= regained.seconds()
+        self._lost_steps -= regained.count()
+        lost = still.count()
+        self._rolled_back = _Steps()
         if step > self._committed_step:
             self._committed_step = step
             self._keep_committed(step)
         elif step < self._committed_step:
+            again = 0
             while self._recent and next(reversed(self._recent)) > step:
                 _, seconds = self._recent.popitem()  # the newest: computed again
                 self._lost_s += seconds
-                self._lost_steps += 1
-                lost += 1
+                again += 1
+            # Older than the steps kept: counted at the mean committed step time.
+            rest = max(0, self._committed_step - step - again) if not self._recent else 0
+            self._lost_s += rest * self._mean_committed_s()
+            self._lost_steps += again + rest
+            lost += again + rest
             self._committed_step = step
         return lost
+
+    def _mean_committed_s(self) -> float:
+        return self._committed_s / self._committed_n if self._committed_n else 0.0
+
+    def carry(self, now: float) -> dict[str, Any]:
+        """What a restarted controller needs to continue this ledger (``continued``): plain
+        numbers, a few dozen bytes whatever the job's length."""
+        totals = dict(self._totals)
+        totals[self._phase] += max(0.0, now - self._since)
+        at_risk = self._uncommitted
+        return {"phase": self._phase, "elapsed_s": max(0.0, now - self._start),
+                "totals": totals, "checkpoint_s": self._checkpoint_s, "lost_s": self._lost_s,
+                "lost_steps": self._lost_steps, "committed_step": self._committed_step,
+                "committed_n": self._committed_n, "committed_s": self._committed_s,
+                "at_risk_steps": at_risk.count(), "at_risk_s": at_risk.seconds(),
+                "at_risk_first": at_risk.lowest(self._committed_step + 1)}
+
+    @classmethod
+    def continued(cls, carried: Mapping[str, Any], now: float, down_s: float
+                  ) -> GoodputLedger:
+        """The ledger an earlier controller ``carry``-ed, continued at ``now`` after
+        ``down_s`` seconds between that carry and this restart (see the module's text). The
+        restart rolls back to the newest commit: the steps at risk are lost (a restore of a
+        newer step gives those up to it back, at their mean time)."""
+        ledger = cls(now)
+        down_s = max(0.0, down_s)
+        ledger._start = now - float(carried.get("elapsed_s", 0.0)) - down_s
+        totals = carried.get("totals") or {}
+        for phase in PHASES:
+            ledger._totals[phase] = float(totals.get(phase, 0.0))
+        phase = str(carried.get("phase", "queued"))
+        ledger._totals["recovery" if phase == "training" else
+                       phase if phase in PHASES else "queued"] += down_s
+        ledger._checkpoint_s = float(carried.get("checkpoint_s", 0.0))
+        ledger._lost_s = float(carried.get("lost_s", 0.0))
+        ledger._lost_steps = int(carried.get("lost_steps", 0))
+        ledger._committed_step = int(carried.get("committed_step", 0))
+        ledger._committed_n = int(carried.get("committed_n", 0))
+        ledger._committed_s = float(carried.get("committed_s", 0.0))
+        n, seconds = int(carried.get("at_risk_steps", 0)), float(carried.get("at_risk_s", 0.0))
+        if n > 0:
+            ledger._lost_s += seconds
+            ledger._lost_steps += n
+            first = int(carried.get("at_risk_first", ledger._committed_step + 1))
+            # The restart's rollback, for a restore newer than the journal knew.
+            ledger._rolled_back = _Steps(n=n, s=seconds, first=first, last=first + n - 1)
+        return ledger
 
     def snapshot(self, now: float) -> Goodput:
         totals = dict(self._totals)

@@ -248,7 +248,7 @@ class LiveJob:
             held=self.state is JobState.PREEMPTED, stopping=self.stop_requested,
             target=self.plan.target,
             last_size=self.plan.last_size, submitted=self.submitted, started=self.started,
-            knobs=self.knobs.wire())
+            knobs=self.knobs.wire(), goodput={**self.ledger.carry(now), "wall": wall})
 
     def restore(self, carried: CarriedHistory, now: float, wall: float) -> dict[str, Any]:
         """Continue from what an earlier controller knew; returns the fault to record for
@@ -271,6 +271,10 @@ class LiveJob:
             self.knobs.offer(self.stragglers.specs())
             self.stragglers.follow(self.knobs.history)
         lost = max(0, self.step - self.committed_step)
+        if carried.goodput:  # its totals go on; the steps it had at risk are its count
+            self.ledger = GoodputLedger.continued(
+                carried.goodput, now, wall - float(carried.goodput.get("wall", wall)))
+            lost = int(carried.goodput.get("at_risk_steps", lost))
         fault: dict[str, Any] = {
             **fault_event(wall, what="controller", rank=None, host=None, step=self.step,
                           generation=self.generation, error=CONTROLLER_RESTARTED,

@@ -115,6 +115,9 @@ class CarriedHistory:
     started: float | None = None
     #: The job's knobs (``core.knobs.KnobBook.wire()``): declarations, pending, history.
     knobs: Mapping[str, Any] = field(default_factory=dict)
+    #: The job's goodput ledger (``GoodputLedger.carry``) and the wall time it was carried at
+    #: (``wall``); empty from a journal written before it was kept (the ledger starts again).
+    goodput: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
