@@ -32,10 +32,13 @@ either system (a long steady window of each measured 27-41 steps/s within one ho
 ratio from two rounds says little. The ratios are of the medians over rounds; next to them
 ``*_pair_ratios`` lists each round's nbtrain rate over the torchrun rate of the same round
 (the two ran back to back), ``*_pair_median`` their median and ``*_pair_iqr`` their spread,
-so a reader sees how far one figure can be trusted. ``--rounds`` and ``--steps`` set how
-much is measured.
+so a reader sees how far one figure can be trusted. Full mode runs 6 rounds of 900 HF
+steps (a steady window of about 14 s each; 8 rounds of 300 steps until 2026-12-07 measured
+windows of about 4 s, which a few seconds of foreign load could move by 20%) and 1,200 script
+steps; ``--rounds``, ``--steps`` and ``--script-steps`` set how much is measured.
 
-Usage: ``python benchmarks/frameworks.py [--quick] [--rounds N] [--steps N]``. Last stdout
+Usage: ``python benchmarks/frameworks.py [--quick] [--rounds N] [--steps N]
+[--script-steps N]``. Last stdout
 line: JSON. A torchrun run that fails is tried once more (``benchmarks/_peers.py``); if it
 fails again its ratio is null and ``peer_failed`` says why.
 """
@@ -66,6 +69,8 @@ from nbtrain.framework_examples import accelerate_train, fabric_train, hf_traine
 
 HERE = Path(__file__).resolve().parent
 N_EMBD = 128  # wide enough that a step is compute, not Python overhead
+#: Steps of each run of the burner member (its own alone/beside rounds).
+INTERFERENCE_STEPS = 300
 
 
 def run_nbtrain_hf(cluster: nbtrain.Cluster, steps: int, work: Path) -> tuple[float, float]:
@@ -291,13 +296,16 @@ def measure_interference(steps: int, rounds: int, busy_ms: float, peer_rates: li
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="2 rounds of 60 steps (else 8 of 300)")
+    parser.add_argument("--quick", action="store_true",
+                        help="2 rounds, 60 HF steps, 240 script steps (else 6, 900, 1200)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds of each pair")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="steps of an HF run (the script runs 4x as many)")
+    parser.add_argument("--steps", type=int, default=None, help="steps of an HF run")
+    parser.add_argument("--script-steps", type=int, default=None,
+                        help="steps of a script run")
     args = parser.parse_args()
-    rounds, steps = (2, 60) if args.quick else (8, 300)
+    rounds, steps, script_steps = (2, 60, 240) if args.quick else (6, 900, 1200)
     rounds, steps = args.rounds or rounds, args.steps or steps
+    script_steps = args.script_steps or script_steps
     root = Path(tempfile.mkdtemp(prefix="nbtrain-frameworks-"))
     ours: list[float] = []
     cpu_ms: list[float] = []
@@ -323,7 +331,8 @@ def main() -> None:
             print(f"round {i + 1}/{rounds}: nbtrain {ours[-1]:.1f} steps/s, torchrun "
                   + (f"{peer:.1f} steps/s" if peer is not None else "failed")
                   + f", plain Dask tasks {dask_tasks[-1]:.1f} steps/s", flush=True)
-        interference = measure_interference(steps, min(rounds, 4), statistics.median(cpu_ms),
+        interference = measure_interference(min(steps, INTERFERENCE_STEPS), min(rounds, 4),
+                                            statistics.median(cpu_ms),
                                             [p.value for p in peers if p.value is not None])
         script: list[float] = []
         script_peers: list[PeerResult[float]] = []
@@ -332,10 +341,10 @@ def main() -> None:
             order = ["nbtrain", "torchrun"] if i % 2 == 0 else ["torchrun", "nbtrain"]
             for which in order:
                 if which == "nbtrain":
-                    script.append(run_nbtrain_script(cluster, 4 * steps, root / f"sc-{i}"))
+                    script.append(run_nbtrain_script(cluster, script_steps, root / f"sc-{i}"))
                 else:
                     script_peers.append(run_peer("torchrun-script", functools.partial(
-                        run_torchrun_script, 4 * steps)))
+                        run_torchrun_script, script_steps)))
             peer = script_peers[-1].value
             print(f"script round {i + 1}/{rounds}: nbtrain {script[-1]:.1f} steps/s, torchrun "
                   + (f"{peer:.1f} steps/s" if peer is not None else "failed"), flush=True)
@@ -368,7 +377,7 @@ def main() -> None:
         **interference,
         **pair_figures("script", script, script_peers),
         "script_recovered": recovered,
-        "rounds": rounds, "steps": steps,
+        "rounds": rounds, "steps": steps, "script_steps": script_steps,
         **ok, **peer_figures(peers + script_peers)}
     print(json.dumps(figures), flush=True)
 
