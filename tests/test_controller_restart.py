@@ -53,8 +53,9 @@ def test_scheduler_killed_while_checkpoints_commit_loses_no_committed_step(
         resumed = [e for e in job.events if e["kind"] == "rank_started" and e["rank"] == 0
                    and e["generation"] == job.generation]
         assert resumed and int(resumed[0]["start_step"]) == restart["resume_step"]
-        # One count of lost steps, also when the ranks restored a commit the journal had
-        # not recorded (the goodput went on from the journal's and gave those back).
+        # One count of lost steps in the goodput (continued from the journal's) and the
+        # restart's fault, whichever checkpoint the ranks restored (the unit tests in
+        # test_goodput.py force each case).
         assert job.goodput()["lost_steps"] == restart["lost_steps"], (job.goodput(), restart)
         assert_params_equal(out, single_process_params(150))
 

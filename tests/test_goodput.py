@@ -113,6 +113,56 @@ def test_steps_at_risk_are_kept_bounded_and_still_counted() -> None:
     b = g.snapshot(now=float(n))
     assert b.lost_steps == n - 2000 and b.lost_s == pytest.approx(n - 2000)
     assert b.productive_s == pytest.approx(2000)
+    assert g._committed_n == 2000  # the steps given back count as committed
+
+
+def test_a_fall_back_counts_the_committed_steps_the_ledger_does_not_hold_one_by_one() -> None:
+    """Steps a fall-back computes again count also when their times are not kept one by one:
+    given back by an earlier restore, or committed out of a folded run."""
+    g = GoodputLedger(now=0.0)
+    g.enter("training", 0.0)
+    for step in range(1, 151):
+        g.step(step, 1.0)
+    g.committed(100)
+    assert g.rollback(100) == 50
+    assert g.resumed_at(150) == 0  # 101-150 had committed after all
+    for step in range(151, 201):
+        g.step(step, 1.0)
+    g.committed(200)
+    assert g.rollback(200) == 0
+    assert g.resumed_at(120) == 80  # 121-200 computed again
+    b = g.snapshot(now=200.0)
+    assert b.lost_steps == 80 and b.lost_s == pytest.approx(80.0)
+
+    g = GoodputLedger(now=0.0)
+    g.enter("training", 0.0)
+    for step in range(1, 101):
+        g.step(step, 1.0)
+        g.committed(step)
+    for step in range(101, 101 + goodput.RECENT_STEPS + 100):  # 101-200 fold
+        g.step(step, 1.0)
+    g.committed(150)  # inside the folded run
+    assert g.rollback(150) == goodput.RECENT_STEPS + 50
+    assert g.resumed_at(120) == goodput.RECENT_STEPS + 50 + 30
+
+
+def test_a_pending_rollback_is_carried_and_a_newer_restore_still_gives_it_back() -> None:
+    """A rank failed at step 150 (commit 100 known: 50 lost) and the controller died before
+    the relaunch; the ranks then restore 150, which had committed unheard."""
+    g = GoodputLedger(now=0.0)
+    g.enter("training", 0.0)
+    for step in range(1, 151):
+        g.step(step, 1.0)
+    g.committed(100)
+    g.enter("recovery", 150.0)
+    assert g.rollback(100) == 50
+    c = GoodputLedger.continued(json.loads(json.dumps(g.carry(now=151.0))), now=0.0,
+                                down_s=2.0)
+    assert c.snapshot(now=0.0).lost_steps == 50  # counted once
+    assert c.resumed_at(150) == 0
+    b = c.snapshot(now=0.0)
+    assert b.lost_steps == 0 and b.lost_s == pytest.approx(0.0)
+    assert b.recovery_s == pytest.approx(3.0)
 
 
 def test_a_carried_ledger_continues_after_a_controller_restart() -> None:

@@ -6,6 +6,7 @@ feed a first machine, carry its jobs over to a fresh one and check what the fres
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -14,6 +15,8 @@ from nbtrain.core.faults import Fault
 from nbtrain.core.job import JobSpec
 from nbtrain.core.lifecycle_types import JobSubmission, Launch, Rejected, Submitted
 from nbtrain.core.machine_events import request_from_wire
+from nbtrain.engine.controller import _carried_from
+from nbtrain.engine.wire import plain
 from tests.test_lifecycle import POLICY, Harness
 
 
@@ -24,11 +27,13 @@ def _spec(job_id: str, world_size: int = 2, **kw: object) -> JobSpec:
 
 def carry_over(old: Harness, job_ids: list[str], *, workers: int = 2) -> Harness:
     """A fresh machine (its workers joining after the jobs were restored, as after a real
-    restart) fed each job's submission with what ``old`` knew of it."""
+    restart) fed each job's submission with what ``old`` knew of it, as journaled."""
     new = Harness(workers=0)
     new.t = old.t + 30.0
     for jid in job_ids:
-        sub = replace(old.m._jobs[jid].sub, carried=old.m.carry(jid))
+        # Through the journal's path: plain JSON written, read back by the engine.
+        journaled = json.loads(json.dumps(plain(old.m.carry(jid))))
+        sub = replace(old.m._jobs[jid].sub, carried=_carried_from(journaled))
         new.feed(Submitted, sub)
     for i in range(workers):
         new.join(host=f"h{i}")

@@ -85,6 +85,13 @@ class _Steps:
     def seconds(self) -> float:
         return self.s + sum(self.each.values())
 
+    def run(self) -> tuple[int, float, int, int]:
+        """All of it as one run: (count, seconds, first step, last step)."""
+        if not self.count():
+            return (0, 0.0, 0, 0)
+        return (self.count(), self.seconds(), self.lowest(0),
+                max(self.last if self.n else 0, max(self.each, default=0)))
+
     def lowest(self, default: int) -> int:
         return self.first if self.n else min(self.each, default=default)
 
@@ -162,6 +169,9 @@ class GoodputLedger:
     def _keep_committed(self, step: int) -> None:
         """Steps up to ``step`` are committed: keep their times (bounded) among the recent."""
         newly, self._uncommitted = self._uncommitted.split(step)
+        self._commit_steps(newly)
+
+    def _commit_steps(self, newly: _Steps) -> None:
         # Committed in step order (a fall-back drops the newer ones first), so the oldest
         # steps come first and leave first.
         self._recent.update(sorted(newly.each.items()))
@@ -194,6 +204,7 @@ class GoodputLedger:
         self._rolled_back = _Steps()
         if step > self._committed_step:
             self._committed_step = step
+            self._commit_steps(regained)  # committed after all
             self._keep_committed(step)
         elif step < self._committed_step:
             again = 0
@@ -201,8 +212,8 @@ class GoodputLedger:
                 _, seconds = self._recent.popitem()  # the newest: computed again
                 self._lost_s += seconds
                 again += 1
-            # Older than the steps kept: counted at the mean committed step time.
-            rest = max(0, self._committed_step - step - again) if not self._recent else 0
+            # The others (older than the steps kept, or folded): at the mean committed time.
+            rest = max(0, self._committed_step - step - again)
             self._lost_s += rest * self._mean_committed_s()
             self._lost_steps += again + rest
             lost += again + rest
@@ -223,7 +234,9 @@ class GoodputLedger:
                 "lost_steps": self._lost_steps, "committed_step": self._committed_step,
                 "committed_n": self._committed_n, "committed_s": self._committed_s,
                 "at_risk_steps": at_risk.count(), "at_risk_s": at_risk.seconds(),
-                "at_risk_first": at_risk.lowest(self._committed_step + 1)}
+                "at_risk_first": at_risk.lowest(self._committed_step + 1),
+                # a rollback whose resume has not come yet (counted lost already)
+                "rolled_back": self._rolled_back.run()}
 
     @classmethod
     def continued(cls, carried: Mapping[str, Any], now: float, down_s: float
@@ -247,13 +260,21 @@ class GoodputLedger:
         ledger._committed_step = int(carried.get("committed_step", 0))
         ledger._committed_n = int(carried.get("committed_n", 0))
         ledger._committed_s = float(carried.get("committed_s", 0.0))
+        # The rollback a restore will correct: a pending one's steps (lost already) and the
+        # restart's own, the steps at risk (lost now), as one run.
+        pending = [float(x) for x in carried.get("rolled_back") or (0, 0.0, 0, 0)]
         n, seconds = int(carried.get("at_risk_steps", 0)), float(carried.get("at_risk_s", 0.0))
+        first = int(carried.get("at_risk_first", ledger._committed_step + 1))
+        ledger._lost_s += seconds
+        ledger._lost_steps += n
+        runs = [(int(pending[0]), pending[1], int(pending[2]), int(pending[3]))] \
+            if pending[0] > 0 else []
         if n > 0:
-            ledger._lost_s += seconds
-            ledger._lost_steps += n
-            first = int(carried.get("at_risk_first", ledger._committed_step + 1))
-            # The restart's rollback, for a restore newer than the journal knew.
-            ledger._rolled_back = _Steps(n=n, s=seconds, first=first, last=first + n - 1)
+            runs.append((n, seconds, first, first + n - 1))
+        if runs:
+            ledger._rolled_back = _Steps(
+                n=sum(r[0] for r in runs), s=sum(r[1] for r in runs),
+                first=min(r[2] for r in runs), last=max(r[3] for r in runs))
         return ledger
 
     def snapshot(self, now: float) -> Goodput:
