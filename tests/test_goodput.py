@@ -8,6 +8,17 @@ from nbtrain.core import goodput
 from nbtrain.core.goodput import GoodputLedger
 
 
+def _trained(last: int, seconds: float = 1.0, *, commit: int = 0) -> GoodputLedger:
+    """A ledger training from 0 s: steps 1..``last`` of ``seconds`` each, ``commit`` committed."""
+    g = GoodputLedger(now=0.0)
+    g.enter("training", 0.0)
+    for step in range(1, last + 1):
+        g.step(step, seconds)
+    if commit:
+        g.committed(commit)
+    return g
+
+
 def test_breakdown_adds_up_with_rollback_and_checkpoints() -> None:
     g = GoodputLedger(now=0.0)
     g.enter("startup", 2.0)          # queued 2 s
@@ -35,11 +46,7 @@ def test_breakdown_adds_up_with_rollback_and_checkpoints() -> None:
 
 
 def test_committed_steps_cannot_be_lost() -> None:
-    g = GoodputLedger(now=0.0)
-    g.enter("training", 0.0)
-    for step in range(1, 5):
-        g.step(step, 1.0)
-    g.committed(4)
+    g = _trained(4, commit=4)
     assert g.rollback(4) == 0
     assert g.rollback(0) == 0  # older checkpoint requested: committed steps stay counted
 
@@ -47,11 +54,7 @@ def test_committed_steps_cannot_be_lost() -> None:
 def test_a_resume_past_the_rollback_gives_the_steps_up_to_it_back() -> None:
     """The controller rolled back to step 4, but a checkpoint of step 6 had committed
     unheard: the ranks restore 6, so only steps 7 and 8 were lost."""
-    g = GoodputLedger(now=0.0)
-    g.enter("training", 0.0)
-    for step in range(1, 9):
-        g.step(step, 1.0)
-    g.committed(4)
+    g = _trained(8, commit=4)
     assert g.rollback(4) == 4
     assert g.resumed_at(6) == 2
     b = g.snapshot(now=8.0)
@@ -100,11 +103,8 @@ def test_steps_at_risk_are_kept_bounded_and_still_counted() -> None:
     """No checkpoint for 3 * RECENT_STEPS steps of 1 s: the ledger keeps the newest
     RECENT_STEPS one by one and the older ones as one run; a commit inside that run, a
     rollback and a newer restore still count every step."""
-    g = GoodputLedger(now=0.0)
-    g.enter("training", 0.0)
     n = 3 * goodput.RECENT_STEPS
-    for step in range(1, n + 1):
-        g.step(step, 1.0)
+    g = _trained(n)
     assert len(g._uncommitted.each) == goodput.RECENT_STEPS
     assert g._uncommitted.count() == n
     g.committed(1000)  # inside the folded run
@@ -119,11 +119,7 @@ def test_steps_at_risk_are_kept_bounded_and_still_counted() -> None:
 def test_a_fall_back_counts_the_committed_steps_the_ledger_does_not_hold_one_by_one() -> None:
     """Steps a fall-back computes again count also when their times are not kept one by one:
     given back by an earlier restore, or committed out of a folded run."""
-    g = GoodputLedger(now=0.0)
-    g.enter("training", 0.0)
-    for step in range(1, 151):
-        g.step(step, 1.0)
-    g.committed(100)
+    g = _trained(150, commit=100)
     assert g.rollback(100) == 50
     assert g.resumed_at(150) == 0  # 101-150 had committed after all
     for step in range(151, 201):
@@ -149,11 +145,7 @@ def test_a_fall_back_counts_the_committed_steps_the_ledger_does_not_hold_one_by_
 def test_a_pending_rollback_is_carried_and_a_newer_restore_still_gives_it_back() -> None:
     """A rank failed at step 150 (commit 100 known: 50 lost) and the controller died before
     the relaunch; the ranks then restore 150, which had committed unheard."""
-    g = GoodputLedger(now=0.0)
-    g.enter("training", 0.0)
-    for step in range(1, 151):
-        g.step(step, 1.0)
-    g.committed(100)
+    g = _trained(150, commit=100)
     g.enter("recovery", 150.0)
     assert g.rollback(100) == 50
     c = GoodputLedger.continued(json.loads(json.dumps(g.carry(now=151.0))), now=0.0,
