@@ -801,7 +801,8 @@ def test_the_checkpoint_the_ranks_restore_corrects_the_fault_and_the_goodput(
         committed: tuple[int, ...], restored: int, lost: int) -> None:
     """Rank 0 dies at step 15; the newest commit the controller heard of is 10, so it expects
     the job to resume from 10 (5 steps lost). The ranks restore another step: the fault and
-    the job's goodput then both say where the job resumed and what it lost."""
+    the job's goodput then both say where the job resumed and what it lost, and the next
+    fault resumes from that step."""
     h = Harness()
     h.submit("a", 2)
     h.steps("a", 0, 15)
@@ -821,6 +822,15 @@ def test_the_checkpoint_the_ranks_restore_corrects_the_fault_and_the_goodput(
     [fault] = h.m.status("a").faults
     assert (fault["resume_step"], fault["lost_steps"]) == (restored, lost)
     assert h.m.status("a").goodput["lost_steps"] == lost
+    # The next fault resumes from the step the ranks restored (not from an unreadable newer
+    # one) and loses the steps trained since.
+    h.steps("a", 1, restored + 4)  # (not at step 15 again: fail_fast would end the job)
+    h.fail("a", 1, 0, step=restored + 4)
+    h.fail("a", 1, 1, peer=True, step=restored + 4)
+    h.advance(1.0)
+    second = h.m.status("a").faults[-1]
+    assert (second["resume_step"], second["lost_steps"]) == (restored, 4)
+    assert h.m.status("a").goodput["lost_steps"] == lost + 4
 
 
 def test_a_dead_worker_is_the_cause_even_when_a_peers_error_came_first() -> None:

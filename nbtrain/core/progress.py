@@ -278,8 +278,10 @@ def _resumed_at(job: LiveJob, start: int) -> None:
     back to (a checkpoint committed after the controller last heard, because a rank or the
     controller died right after its commit; or the newest checkpoint was unreadable and the
     ranks fell back to an older one), the fault being recovered from says where the job
-    really resumed, and it and the goodput say what it really lost."""
-    job.committed_step = max(job.committed_step, start)
+    really resumed, and it and the goodput say what it really lost. The job's committed step
+    is the restored one from now on in either case: a later restart resumes from it, not
+    from a newer checkpoint the ranks could not read."""
+    job.committed_step = start
     lost = job.ledger.resumed_at(start)
     fault = job.fault_log[-1] if job.recovering and job.fault_log else None
     if fault is None or fault.get("resume_step") is None or fault["resume_step"] == start:
