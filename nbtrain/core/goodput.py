@@ -25,7 +25,7 @@ own phase otherwise; the steps after the newest commit are lost, as in any resta
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,14 +86,21 @@ class _Steps:
         return self.s + sum(self.each.values())
 
     def run(self) -> tuple[int, float, int, int]:
-        """All of it as one run: (count, seconds, first step, last step)."""
+        """All of it as one run: (count, seconds, first step, last step); zeros if empty."""
         if not self.count():
             return (0, 0.0, 0, 0)
-        return (self.count(), self.seconds(), self.lowest(0),
+        first = self.first if self.n else min(self.each)
+        return (self.count(), self.seconds(), first,
                 max(self.last if self.n else 0, max(self.each, default=0)))
 
-    def lowest(self, default: int) -> int:
-        return self.first if self.n else min(self.each, default=default)
+    @classmethod
+    def of_runs(cls, *runs: Sequence[float] | None) -> _Steps:
+        """One run holding the steps of ``runs`` (``run()``'s tuples; empty ones skipped)."""
+        held = [r for r in runs if r and r[0] > 0]
+        if not held:
+            return cls()
+        return cls(n=sum(int(r[0]) for r in held), s=sum(float(r[1]) for r in held),
+                   first=min(int(r[2]) for r in held), last=max(int(r[3]) for r in held))
 
     def split(self, at: int) -> tuple[_Steps, _Steps]:
         """(the steps up to ``at``, the steps after it)."""
@@ -226,17 +233,19 @@ class GoodputLedger:
     def carry(self, now: float) -> dict[str, Any]:
         """What a restarted controller needs to continue this ledger (``continued``): plain
         numbers, a few dozen bytes whatever the job's length."""
-        totals = dict(self._totals)
-        totals[self._phase] += max(0.0, now - self._since)
-        at_risk = self._uncommitted
         return {"phase": self._phase, "elapsed_s": max(0.0, now - self._start),
-                "totals": totals, "checkpoint_s": self._checkpoint_s, "lost_s": self._lost_s,
-                "lost_steps": self._lost_steps, "committed_step": self._committed_step,
+                "totals": self._totals_at(now), "checkpoint_s": self._checkpoint_s,
+                "lost_s": self._lost_s, "lost_steps": self._lost_steps,
+                "committed_step": self._committed_step,
                 "committed_n": self._committed_n, "committed_s": self._committed_s,
-                "at_risk_steps": at_risk.count(), "at_risk_s": at_risk.seconds(),
-                "at_risk_first": at_risk.lowest(self._committed_step + 1),
-                # a rollback whose resume has not come yet (counted lost already)
-                "rolled_back": self._rolled_back.run()}
+                # the steps after the newest commit, and a rollback whose resume has not
+                # come yet (counted lost already): runs, (count, seconds, first, last)
+                "at_risk": self._uncommitted.run(), "rolled_back": self._rolled_back.run()}
+
+    @staticmethod
+    def at_risk_steps(carried: Mapping[str, Any]) -> int:
+        """How many steps after the newest commit ``carried`` (``carry``'s) had."""
+        return int((carried.get("at_risk") or (0,))[0])
 
     @classmethod
     def continued(cls, carried: Mapping[str, Any], now: float, down_s: float
@@ -260,26 +269,22 @@ class GoodputLedger:
         ledger._committed_step = int(carried.get("committed_step", 0))
         ledger._committed_n = int(carried.get("committed_n", 0))
         ledger._committed_s = float(carried.get("committed_s", 0.0))
-        # The rollback a restore will correct: a pending one's steps (lost already) and the
-        # restart's own, the steps at risk (lost now), as one run.
-        pending = [float(x) for x in carried.get("rolled_back") or (0, 0.0, 0, 0)]
-        n, seconds = int(carried.get("at_risk_steps", 0)), float(carried.get("at_risk_s", 0.0))
-        first = int(carried.get("at_risk_first", ledger._committed_step + 1))
-        ledger._lost_s += seconds
-        ledger._lost_steps += n
-        runs = [(int(pending[0]), pending[1], int(pending[2]), int(pending[3]))] \
-            if pending[0] > 0 else []
-        if n > 0:
-            runs.append((n, seconds, first, first + n - 1))
-        if runs:
-            ledger._rolled_back = _Steps(
-                n=sum(r[0] for r in runs), s=sum(r[1] for r in runs),
-                first=min(r[2] for r in runs), last=max(r[3] for r in runs))
+        # The restart loses the steps at risk; the rollback a restore will correct holds
+        # them and a pending rollback's steps (lost already), as one run.
+        at_risk = _Steps.of_runs(carried.get("at_risk"))
+        ledger._lost_s += at_risk.s
+        ledger._lost_steps += at_risk.n
+        ledger._rolled_back = _Steps.of_runs(carried.get("rolled_back"), carried.get("at_risk"))
         return ledger
 
-    def snapshot(self, now: float) -> Goodput:
+    def _totals_at(self, now: float) -> dict[str, float]:
+        """Seconds per phase up to ``now`` (the current phase's so far included)."""
         totals = dict(self._totals)
         totals[self._phase] += max(0.0, now - self._since)
+        return totals
+
+    def snapshot(self, now: float) -> Goodput:
+        totals = self._totals_at(now)
         training = totals["training"]
         productive = max(0.0, training - self._checkpoint_s - self._lost_s)
         return Goodput(

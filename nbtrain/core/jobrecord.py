@@ -274,7 +274,7 @@ class LiveJob:
         if carried.goodput:  # its totals go on; the steps it had at risk are its count
             self.ledger = GoodputLedger.continued(
                 carried.goodput, now, wall - float(carried.goodput.get("wall", wall)))
-            lost = int(carried.goodput.get("at_risk_steps", lost))
+            lost = GoodputLedger.at_risk_steps(carried.goodput)
         fault: dict[str, Any] = {
             **fault_event(wall, what="controller", rank=None, host=None, step=self.step,
                           generation=self.generation, error=CONTROLLER_RESTARTED,
