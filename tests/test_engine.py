@@ -13,7 +13,7 @@ import nbtrain
 from nbtrain import JobState
 from nbtrain.runtime.events import RANK_TOPIC
 from tests.conftest import wait_for
-from tests.engine_probe import parent_command_line
+from tests.engine_probe import live_job_objects, parent_command_line, tracked_train
 from tests.recipes import Regression, assert_params_equal, single_process_params
 
 
@@ -29,6 +29,17 @@ def test_ddp_world_size_2_matches_single_process(free_cluster: nbtrain.Cluster,
     assert {"data_s", "compute_s", "comm_s", "opt_s", "loss"} <= set(m.columns)
     assert (m["opt_s"] > 0).all() and (m["compute_s"] > 0).all()
     assert job.reason == f"completed {steps} steps"
+
+
+def test_a_finished_job_leaves_no_model_or_process_group_on_its_workers(
+        free_cluster: nbtrain.Cluster) -> None:
+    # The rank's context and its driver refer to each other, so without a collection when
+    # the rank ends its model, optimizer and process group (gloo threads, rank 0's store)
+    # lived on in the worker until some later full collection.
+    job = free_cluster.submit(tracked_train, world_size=2, steps=3, checkpoint=None)
+    assert job.wait(120) is JobState.SUCCEEDED, job.error
+    left = free_cluster.client.run(live_job_objects)
+    assert len(left) == 2 and set(left.values()) == {0}, left
 
 
 def test_submit_returns_before_ranks_start(free_cluster: nbtrain.Cluster,
@@ -113,7 +124,7 @@ def test_cluster_repr_lists_slots_and_jobs(free_cluster: nbtrain.Cluster) -> Non
 FORKED = """
 import json, nbtrain
 from nbtrain import JobState
-from tests.engine_probe import parent_command_line
+from tests.engine_probe import live_job_objects, parent_command_line, tracked_train
 from tests.recipes import Regression
 if __name__ == "__main__":
     with nbtrain.connect(n_workers=2, gpus=False) as c:

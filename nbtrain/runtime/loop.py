@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import time
 import traceback
@@ -53,6 +54,20 @@ __all__ = ["RankLaunch", "run_rank"]
 
 def run_rank(launch: RankLaunch) -> dict[str, Any]:
     """Dask task body for one rank. Returns a summary; raises :class:`RankFailure`."""
+    summary = _run_rank(launch)
+    # What the job made outlives it in reference cycles (the rank's context and its driver;
+    # an HF Trainer and its callbacks): the model, the optimizer and, through DDP, the
+    # process group with its gloo threads (one wakes ~100 times a second) and rank 0's
+    # store. Python frees cycles only at a full collection, which can come much later:
+    # inside the next job's training on this worker, with the old model (on a GPU, its
+    # memory) held until then. Every collective is done here, so the group's teardown
+    # waits for nobody. A failed rank skips this: its traceback holds the frames anyway,
+    # and a collective a lost peer never finishes could hold up the teardown.
+    gc.collect()
+    return summary
+
+
+def _run_rank(launch: RankLaunch) -> dict[str, Any]:
     worker = get_worker()
     host = get_address_host(worker.address)
     settings = launch.settings
