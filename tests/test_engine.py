@@ -124,7 +124,7 @@ def test_cluster_repr_lists_slots_and_jobs(free_cluster: nbtrain.Cluster) -> Non
 FORKED = """
 import json, nbtrain
 from nbtrain import JobState
-from tests.engine_probe import live_job_objects, parent_command_line, tracked_train
+from tests.engine_probe import parent_command_line
 from tests.recipes import Regression
 if __name__ == "__main__":
     with nbtrain.connect(n_workers=2, gpus=False) as c:
