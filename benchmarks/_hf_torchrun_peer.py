@@ -2,7 +2,8 @@
 ``nbtrain.framework_examples.build_trainer``, run as a plain torchrun script.
 
 Launched as ``torchrun --nproc-per-node 2 benchmarks/_hf_torchrun_peer.py --steps N --out F
---work DIR --n-embd E``; rank 0 writes the wall-clock end time of every step to F (JSON).
+--work DIR --n-embd E [--turns JSON]``; rank 0 writes the wall-clock end time of every step
+to F (JSON).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from _turns import Turns, hf_turn_callback
 
 from nbtrain.framework_examples import build_trainer
 
@@ -23,11 +25,14 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--work", required=True)
     parser.add_argument("--n-embd", type=int, default=32)
+    parser.add_argument("--turns", default=None, help="a Turns as JSON (benchmarks/_turns.py)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     trainer, times = build_trainer({"work_dir": args.work, "n_embd": args.n_embd},
                                    max_steps=args.steps)
+    if args.turns:
+        trainer.add_callback(hf_turn_callback(Turns.from_json(args.turns)))
     trainer.train()
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:

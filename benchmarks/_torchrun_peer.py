@@ -1,7 +1,8 @@
 """The peer for benchmarks/overhead.py: the same training as a plain torchrun DDP script.
 
 Launched as ``torchrun --nproc-per-node 2 benchmarks/_torchrun_peer.py --steps N --out F``;
-rank 0 writes the wall-clock end time of every step to F (JSON).
+rank 0 writes the wall-clock end time of every step to F (JSON). With ``--turns JSON``
+(``benchmarks/_turns.py``) it trains in its turns only, and stops after its last one.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _turns import Turns
 from torch.nn.parallel import DistributedDataParallel
 
 from nbtrain.examples import DigitsMLP, digits
@@ -28,7 +30,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--turns", default=None, help="a Turns as JSON (benchmarks/_turns.py)")
     args = parser.parse_args()
+    turns = Turns.from_json(args.turns) if args.turns else None
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -46,6 +50,8 @@ def main() -> None:
         opt.step()
         loss.item()
         times.append(time.time())
+        if turns is not None and not turns.after_step():
+            break
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(times, f)

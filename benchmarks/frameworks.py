@@ -1,51 +1,55 @@
 """Other frameworks inside nbtrain jobs, against the same code under torchrun (world size 2).
 
-- ``hf_trainer_ratio``: the steady step rate of an HF ``Trainer`` run by
-  ``nbtrain.runtime.hf.run_trainer`` in a training function, over the same ``Trainer`` as a
-  plain script under ``torchrun --nproc-per-node 2`` (``benchmarks/_hf_torchrun_peer.py``),
-  in alternating rounds of the same run; the first 25% of each run's steps are dropped.
-- ``script_ratio``: the steady step rate of an unmodified torchrun DDP script
-  (``benchmarks/_torchrun_peer.py``) run by ``cluster.submit_script`` over the same script
-  under ``torchrun --nproc-per-node 2``, alternating rounds, rank 0's own step clock.
-- ``hf_ok``, ``accelerate_ok``, ``lightning_ok``: each framework's job with a rank killed
-  mid-run ends SUCCEEDED with parameters equal to an uninterrupted run's (bit-exact).
-- ``dask_tasks_hf_ratio``: the same ``Trainer`` (the torchrun peer's code) run as two plain
-  Dask tasks on the cluster's two workers, with the torchrun environment set by hand and no
-  nbtrain in the loop (no controller, no step loop, no step rows), over torchrun, in the
-  same alternating rounds. ``hf_trainer_over_dask_tasks`` is nbtrain's rate over that one:
-  what nbtrain itself costs, apart from running inside a Dask worker process.
-- ``hf_trainer_extra_ms_per_step``: what the ratio means in time, the median step under
-  nbtrain less the median step under torchrun.
-- ``scheduler_cpu_ms_per_step``: CPU this process used per step of the nbtrain HF runs'
-  steady windows: the embedded scheduler with nbtrain's controller (taking each rank's step
-  rows, judging stragglers, keeping the durable store) and the client waiting. On a real
-  cluster it runs on another machine; here it shares the two cores with both ranks.
+Each comparison runs its two members at once, in turns (``benchmarks/_turns.py``): both
+start together and train in alternating turns of ``turn_s`` seconds on one wall-clock
+schedule, each sleeping through the other's. The machine's speed drifts by 10-20% within a
+minute on this shared 2-core machine, more than the differences measured here; two turns of
+one cycle are seconds apart, so the drift cancels in their ratio. Until 2026-12-07 the
+members ran one after the other in rounds of 15-30 s, and the same code gave ratios from
+0.88 to 1.01 from one full run to the next.
+
+- ``hf_trainer_ratio``: an HF ``Trainer`` run by ``nbtrain.runtime.hf.run_trainer`` in a
+  training function, over the same ``Trainer`` as a plain script under ``torchrun
+  --nproc-per-node 2`` (``benchmarks/_hf_torchrun_peer.py``): the median over cycles of the
+  two members' steady rates in that cycle's turns (rank 0's step ends, the first
+  ``skip_s`` of each turn left out, and the first cycle). ``*_pooled_ratio`` is the ratio of
+  the members' mean rates over the same cycles, ``*_pair_iqr`` the cycles' spread,
+  ``*_turn_rates`` each cycle's two rates.
+- ``script_ratio``: the same for an unmodified torchrun DDP script
+  (``benchmarks/_torchrun_peer.py``) run by ``cluster.submit_script``.
+- ``dask_tasks_hf_ratio``: the same ``Trainer`` (the torchrun peer's code) as two plain Dask
+  tasks on the cluster's two workers, with the torchrun environment set by hand and no
+  nbtrain in the loop (no controller, no step loop, no step rows), over torchrun in turns of
+  its own. ``hf_trainer_over_dask_tasks`` is ``hf_trainer_ratio`` over it: what nbtrain
+  itself costs, apart from running inside a Dask worker process.
+- ``hf_trainer_extra_ms_per_step``: the mean step under nbtrain less the one under torchrun.
+- ``scheduler_cpu_ms_per_step``: CPU this process used per step of nbtrain's HF turns: the
+  embedded scheduler with nbtrain's controller (taking each rank's step rows, judging
+  stragglers, keeping the durable store) and the client waiting. On a real cluster it runs
+  on another machine; here it shares the two cores with the ranks.
 - ``torchrun_beside_burner_ratio``: the torchrun HF peer beside ``_burner.py`` busy as many
   ms per step as that (``burner_busy_ms`` of every ``burner_period_ms``), over the peer
-  alone, alternating rounds: what that much foreign CPU costs two ranks that fill two cores
-  and meet in collectives several times a step, whoever spends it.
+  alone, alternating runs of ``INTERFERENCE_STEPS`` steps: what that much foreign CPU costs
+  two ranks that fill two cores and meet in collectives several times a step.
+- ``hf_ok``, ``accelerate_ok``, ``lightning_ok``: each framework's job with a rank killed
+  mid-run ends SUCCEEDED with parameters equal to an uninterrupted run's (bit-exact).
 - ``script_recovered``: the script job whose rank 1 child is SIGKILLed mid-run restarts it
   (torchrun's way: the script starts again) and ends SUCCEEDED.
 
-Both rates move by up to 10-15% from one run to the next on a shared 2-core machine, in
-either system (a long steady window of each measured 27-41 steps/s within one hour), so a
-ratio from two rounds says little. The ratios are of the medians over rounds; next to them
-``*_pair_ratios`` lists each round's nbtrain rate over the torchrun rate of the same round
-(the two ran back to back), ``*_pair_median`` their median and ``*_pair_iqr`` their spread,
-so a reader sees how far one figure can be trusted. Full mode runs 6 rounds of 900 HF
-steps (a steady window of about 14 s each; 8 rounds of 300 steps until 2026-12-07 measured
-windows of about 4 s, which a few seconds of foreign load could move by 20%) and 1,200 script
-steps; ``--rounds``, ``--steps`` and ``--script-steps`` set how much is measured.
+Every member pays the same for taking turns: one all-reduce of a flag per step. The
+cluster's ``hang_floor_s`` is raised to ``HANG_FLOOR_S``: a member sleeping through the
+other's turn makes no step progress, on purpose.
 
-Usage: ``python benchmarks/frameworks.py [--quick] [--rounds N] [--steps N]
-[--script-steps N]``. Last stdout
-line: JSON. A torchrun run that fails is tried once more (``benchmarks/_peers.py``); if it
-fails again its ratio is null and ``peer_failed`` says why.
+Usage: ``python benchmarks/frameworks.py [--quick] [--turns N] [--turn-s S]``. Full mode:
+25 turns of 2 s per member and comparison, about 12 minutes. Last stdout line: JSON. A
+torchrun run that fails is tried once more with a new schedule (``benchmarks/_peers.py``); if
+it fails again its ratio is null and ``peer_failed`` says why.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import json
@@ -57,10 +61,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
 from _peers import PeerAttempt, PeerResult, peer_figures, ratio, run_peer
+from _turns import Turns, hf_turn_callback, pair_figures
 from overhead import PLAIN_ENV, steady_rate  # the environment before connect(), rates
 
 import nbtrain
@@ -71,23 +78,40 @@ HERE = Path(__file__).resolve().parent
 N_EMBD = 128  # wide enough that a step is compute, not Python overhead
 #: Steps of each run of the burner member (its own alone/beside rounds).
 INTERFERENCE_STEPS = 300
+#: Turns per member and comparison, and their length (full mode; then ``--quick``).
+TURNS, TURN_S = 25, 2.0
+QUICK_TURNS, QUICK_TURN_S = 4, 1.5
+#: Left out at the start of each turn: the other member's last step, cold caches.
+SKIP_S = 0.3
+#: From the start of both members to the first turn: both import and join their group.
+START_MARGIN_S = 20.0
+#: A member's steps: more than its turns take (it stops after its last turn).
+MANY_STEPS = 1_000_000
+#: The longest a comparison may take.
+TURNS_TIMEOUT_S = 900.0
+#: The cluster's hang floor here: longer than the start margin and a turn of the other.
+HANG_FLOOR_S = 120.0
+
+# The workers unpickle the members' callbacks without benchmarks/ on their path.
+cloudpickle.register_pickle_by_value(sys.modules["_turns"])
 
 
-def run_nbtrain_hf(cluster: nbtrain.Cluster, steps: int, work: Path) -> tuple[float, float]:
-    """The job's steady rate, and the CPU this process (the embedded scheduler with nbtrain's
-    controller, and the client waiting) used per step of the steady window, in ms."""
-    with CpuClock() as clock:
-        job = cluster.submit(hf_trainer_train, world_size=2, steps=steps, checkpoint=None,
-                             name="hf-rate", config={"work_dir": str(work), "n_embd": N_EMBD})
-        times = job.result(timeout=600)["step_times"]
-    steady = times[len(times) // 4:]
-    cpu = clock.between(steady[0], steady[-1])
-    return steady_rate(times), cpu / (len(steady) - 1) * 1000
+def hf_turns_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> dict[str, Any]:
+    """The nbtrain member: ``hf_trainer_train``'s ``Trainer`` through ``run_trainer``,
+    training in its turns (``config["turns"]``); rank 0's step end times."""
+    from nbtrain.framework_examples import build_trainer
+    from nbtrain.runtime.hf import run_trainer
+
+    trainer, times = build_trainer(config)
+    trainer.add_callback(hf_turn_callback(Turns.from_json(config["turns"])))
+    run_trainer(ctx, trainer)
+    return {"step_times": times}
 
 
-def _hf_rank_task(rank: int, port: int, work: str, steps: int) -> list[float]:
+def _hf_rank_task(rank: int, port: int, work: str, steps: int, turns: str) -> list[float]:
     """One rank of the torchrun peer's ``Trainer`` inside a plain Dask task: the torchrun
-    environment by hand, the process group, the ``Trainer``; rank 0's step end times."""
+    environment by hand, the process group, the ``Trainer`` in its turns; rank 0's step end
+    times."""
     import torch
     import torch.distributed as dist
 
@@ -101,6 +125,7 @@ def _hf_rank_task(rank: int, port: int, work: str, steps: int) -> list[float]:
         dist.init_process_group("gloo")
         torch.set_num_threads(1)
         trainer, times = build_trainer({"work_dir": work, "n_embd": N_EMBD}, max_steps=steps)
+        trainer.add_callback(hf_turn_callback(Turns.from_json(turns)))
         trainer.train()
         # Both ranks are done with the group's collectives before its DDP reducer (and with
         # it the group) is freed: otherwise the group's teardown can wait forever for a peer
@@ -118,17 +143,118 @@ def _hf_rank_task(rank: int, port: int, work: str, steps: int) -> list[float]:
     return times
 
 
-def run_dask_tasks_hf(cluster: nbtrain.Cluster, steps: int, work: Path) -> float:
+#: Starts a member on its turns in a working directory; what it returns waits for the member
+#: and gives its rank 0's step end times.
+Start = Callable[[Turns, Path], Callable[[], list[float]]]
+
+
+def start_nbtrain_hf(cluster: nbtrain.Cluster) -> Start:
+    def start(turns: Turns, work: Path) -> Callable[[], list[float]]:
+        job = cluster.submit(hf_turns_train, world_size=2, steps=MANY_STEPS, checkpoint=None,
+                             name="hf-turns", config={"work_dir": str(work / "nbtrain"),
+                                                      "n_embd": N_EMBD,
+                                                      "turns": turns.to_json()})
+        return lambda: list(job.result(timeout=TURNS_TIMEOUT_S)["step_times"])
+    return start
+
+
+def start_dask_tasks_hf(cluster: nbtrain.Cluster) -> Start:
     """The torchrun peer's ``Trainer`` as two plain Dask tasks on the cluster's two workers
-    (nbtrain's controller sees no job): the steady rate of rank 0."""
-    port = free_port()
-    client = cluster.client
-    workers = sorted(client.scheduler_info()["workers"])[:2]
-    futures = [client.submit(_hf_rank_task, rank, port, str(work), steps, workers=[addr],
-                             allow_other_workers=False, pure=False)
-               for rank, addr in enumerate(workers)]
-    times = client.gather(futures)[0]
-    return steady_rate(times)
+    (nbtrain's controller sees no job)."""
+    def start(turns: Turns, work: Path) -> Callable[[], list[float]]:
+        port = free_port()
+        client = cluster.client
+        workers = sorted(client.scheduler_info()["workers"])[:2]
+        futures = [client.submit(_hf_rank_task, rank, port, str(work / "dask"), MANY_STEPS,
+                                 turns.to_json(), workers=[addr], allow_other_workers=False,
+                                 pure=False)
+                   for rank, addr in enumerate(workers)]
+        return lambda: list(client.gather(futures)[0])
+    return start
+
+
+def start_nbtrain_script(cluster: nbtrain.Cluster) -> Start:
+    def start(turns: Turns, work: Path) -> Callable[[], list[float]]:
+        work.mkdir(parents=True, exist_ok=True)
+        out = work / "nbtrain-times.json"
+        job = cluster.submit_script(HERE / "_torchrun_peer.py", world_size=2,
+                                    name="script-turns",
+                                    args=["--steps", str(MANY_STEPS), "--out", str(out),
+                                          "--turns", turns.to_json()])
+
+        def finish() -> list[float]:
+            if job.wait(TURNS_TIMEOUT_S) is not nbtrain.JobState.SUCCEEDED:
+                raise RuntimeError(f"the script job ended {job.status.value}: {job.error}")
+            return list(json.loads(out.read_text()))
+        return finish
+    return start
+
+
+@dataclasses.dataclass
+class TurnRun:
+    """One member against torchrun in turns: both members' step end times and the schedule
+    (None where the peer failed twice), and the peer's outcome."""
+
+    turns: Turns | None
+    ours: list[float] | None
+    peer: PeerResult[list[float]]
+
+    def figures(self, name: str) -> dict[str, Any]:
+        if self.turns is None or self.ours is None or self.peer.value is None:
+            return {f"{name}_ratio": None}
+        ours = self.turns.member(0).rates(self.ours, SKIP_S)
+        peer = self.turns.member(1).rates(self.peer.value, SKIP_S)
+        ready = max(self.ours[0], self.peer.value[0])
+        return {**pair_figures(name, ours, peer, ready=ready, turns=self.turns),
+                f"{name}_turn_rates": [[round(ours.get(c, 0.0), 1), round(peer.get(c, 0.0), 1)]
+                                       for c in range(self.turns.turns)]}
+
+
+def run_in_turns(peer_name: str, start: Start, script: str, args: list[str], turns: int,
+                 turn_s: float) -> TurnRun:
+    """Start our member and the same code under ``torchrun --nproc-per-node 2`` together,
+    on one schedule of ``turns`` turns each of ``turn_s`` seconds (ours first in each
+    cycle). A failed torchrun attempt is tried once more with a new schedule, after our
+    member has finished the old one; our member's failure fails the run."""
+    got: dict[str, Any] = {}
+
+    def attempt(attempt: PeerAttempt) -> list[float]:
+        schedule = Turns(t0=time.time() + START_MARGIN_S, turn_s=turn_s, members=2,
+                         turns=turns)
+        finish = start(schedule.member(0), attempt.workdir)
+        out = attempt.workdir / "times.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--standalone", str(HERE / script), *args, "--out", str(out),
+               "--turns", schedule.member(1).to_json()]
+        try:
+            attempt.run(cmd, env=dict(PLAIN_ENV, OMP_NUM_THREADS="1"),
+                        timeout=TURNS_TIMEOUT_S, what=f"{script} under torchrun")
+        finally:
+            try:
+                got.update(ours=finish(), turns=schedule)
+            except Exception as exc:  # nbtrain's failure: raised after the peer's outcome
+                got["error"] = exc
+        return list(json.loads(out.read_text()))
+
+    peer = run_peer(peer_name, attempt)
+    if "error" in got:
+        raise got["error"]
+    return TurnRun(got.get("turns") if peer.value else None, got.get("ours"), peer)
+
+
+def turn_cpu_ms(clock: CpuClock, run: TurnRun) -> float | None:
+    """CPU this process used per step of our member's measured turns, in ms."""
+    if run.turns is None or run.ours is None:
+        return None
+    mine = run.turns.member(0)
+    cpu, steps = 0.0, 0
+    for cycle in range(mine.turns):
+        lo = mine.start(cycle * mine.members) + SKIP_S
+        inside = [t for t in run.ours if lo <= t < mine.start(cycle * mine.members + 1)]
+        if len(inside) >= 3:
+            cpu += clock.between(inside[0], inside[-1])
+            steps += len(inside) - 1
+    return cpu / steps * 1000 if steps else None
 
 
 class CpuClock:
@@ -189,21 +315,6 @@ def run_torchrun_hf(steps: int, attempt: PeerAttempt) -> float:
                         "HF Trainer under torchrun", attempt)
 
 
-def run_nbtrain_script(cluster: nbtrain.Cluster, steps: int, work: Path) -> float:
-    work.mkdir(parents=True, exist_ok=True)
-    out = work / "times.json"
-    job = cluster.submit_script(HERE / "_torchrun_peer.py", world_size=2, name="script-rate",
-                                args=["--steps", str(steps), "--out", str(out)])
-    if job.wait(600) is not nbtrain.JobState.SUCCEEDED:
-        raise RuntimeError(f"the script job ended {job.status.value}: {job.error}")
-    return steady_rate(json.loads(out.read_text()))
-
-
-def run_torchrun_script(steps: int, attempt: PeerAttempt) -> float:
-    return run_torchrun("_torchrun_peer.py", ["--steps", str(steps)],
-                        "the script under torchrun", attempt)
-
-
 def script_recovers(cluster: nbtrain.Cluster, work: Path) -> bool:
     """SIGKILL rank 1's child of a running script job: it ends SUCCEEDED after one restart."""
     work.mkdir(parents=True, exist_ok=True)
@@ -250,22 +361,6 @@ def recovers_exactly(cluster: nbtrain.Cluster, fn: Any, root: Path, steps: int) 
     return True
 
 
-def pair_figures(name: str, ours: list[float], peers: list[PeerResult[float]]
-                 ) -> dict[str, Any]:
-    """Each round's nbtrain rate over its torchrun peer's (rounds whose peer failed are left
-    out), their median (each pair ran back to back, so a drift of the machine's speed over
-    the run cancels in it; the headline ratios are of the medians over rounds) and their
-    interquartile range."""
-    pairs = [o / p.value for o, p in zip(ours, peers, strict=True) if p.value]
-    iqr = None
-    if len(pairs) >= 2:
-        q1, _, q3 = statistics.quantiles(pairs, n=4)
-        iqr = round(q3 - q1, 4)
-    return {f"{name}_pair_ratios": [round(r, 3) for r in pairs],
-            f"{name}_pair_median": round(statistics.median(pairs), 4) if pairs else None,
-            f"{name}_pair_iqr": iqr}
-
-
 def measure_interference(steps: int, rounds: int, busy_ms: float, peer_rates: list[float]
                          ) -> dict[str, Any]:
     """The HF torchrun peer alone and beside ``_burner.py`` busy as many ms per step as
@@ -297,89 +392,67 @@ def measure_interference(steps: int, rounds: int, busy_ms: float, peer_rates: li
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true",
-                        help="2 rounds, 60 HF steps, 240 script steps (else 6, 900, 1200)")
-    parser.add_argument("--rounds", type=int, default=None, help="rounds of each pair")
-    parser.add_argument("--steps", type=int, default=None, help="steps of an HF run")
-    parser.add_argument("--script-steps", type=int, default=None,
-                        help="steps of a script run")
+                        help=f"{QUICK_TURNS} turns of {QUICK_TURN_S} s per member (else "
+                             f"{TURNS} of {TURN_S} s)")
+    parser.add_argument("--turns", type=int, default=None, help="turns of each member")
+    parser.add_argument("--turn-s", type=float, default=None, help="seconds of a turn")
     args = parser.parse_args()
-    rounds, steps, script_steps = (2, 60, 240) if args.quick else (6, 900, 1200)
-    rounds, steps = args.rounds or rounds, args.steps or steps
-    script_steps = args.script_steps or script_steps
+    turns, turn_s = (QUICK_TURNS, QUICK_TURN_S) if args.quick else (TURNS, TURN_S)
+    turns, turn_s = args.turns or turns, args.turn_s or turn_s
     root = Path(tempfile.mkdtemp(prefix="nbtrain-frameworks-"))
-    ours: list[float] = []
-    cpu_ms: list[float] = []
-    peers: list[PeerResult[float]] = []
-    dask_tasks: list[float] = []
+    # A member sleeps through the other's turns, and through the start margin before its
+    # first one: the hang watchdog must not take that for a hang.
     with nbtrain.connect(n_workers=2, settings=nbtrain.Settings.load(
-            checkpoint_root=str(root / "checkpoints"))) as cluster:
-        run_nbtrain_hf(cluster, 20, root / "warm")  # the workers import transformers once
-        run_dask_tasks_hf(cluster, 20, root / "dask-warm")
-        for i in range(rounds):
-            order = ["nbtrain", "torchrun", "dask"]
-            for which in order if i % 2 == 0 else order[::-1]:
-                if which == "nbtrain":
-                    rate, cpu = run_nbtrain_hf(cluster, steps, root / f"hf-{i}")
-                    ours.append(rate)
-                    cpu_ms.append(cpu)
-                elif which == "dask":
-                    dask_tasks.append(run_dask_tasks_hf(cluster, steps, root / f"dask-{i}"))
-                else:
-                    peers.append(run_peer("torchrun-hf", functools.partial(run_torchrun_hf,
-                                                                           steps)))
-            peer = peers[-1].value
-            print(f"round {i + 1}/{rounds}: nbtrain {ours[-1]:.1f} steps/s, torchrun "
-                  + (f"{peer:.1f} steps/s" if peer is not None else "failed")
-                  + f", plain Dask tasks {dask_tasks[-1]:.1f} steps/s", flush=True)
-        interference = measure_interference(min(steps, INTERFERENCE_STEPS), min(rounds, 4),
-                                            statistics.median(cpu_ms),
-                                            [p.value for p in peers if p.value is not None])
-        script: list[float] = []
-        script_peers: list[PeerResult[float]] = []
-        run_nbtrain_script(cluster, 30, root / "script-warm")
-        for i in range(rounds):
-            order = ["nbtrain", "torchrun"] if i % 2 == 0 else ["torchrun", "nbtrain"]
-            for which in order:
-                if which == "nbtrain":
-                    script.append(run_nbtrain_script(cluster, script_steps, root / f"sc-{i}"))
-                else:
-                    script_peers.append(run_peer("torchrun-script", functools.partial(
-                        run_torchrun_script, script_steps)))
-            peer = script_peers[-1].value
-            print(f"script round {i + 1}/{rounds}: nbtrain {script[-1]:.1f} steps/s, torchrun "
-                  + (f"{peer:.1f} steps/s" if peer is not None else "failed"), flush=True)
+            checkpoint_root=str(root / "checkpoints"), hang_floor_s=HANG_FLOOR_S)) as cluster:
+        warm = root / "warm"
+        cluster.submit(hf_trainer_train, world_size=2, steps=20, checkpoint=None,  # imports
+                       config={"work_dir": str(warm), "n_embd": N_EMBD}).result(timeout=600)
+        hf_args = ["--steps", str(MANY_STEPS), "--work", str(root / "peer"),
+                   "--n-embd", str(N_EMBD)]
+        with CpuClock() as clock:
+            hf = run_in_turns("torchrun-hf", start_nbtrain_hf(cluster), "_hf_torchrun_peer.py",
+                              hf_args, turns, turn_s)
+        cpu_ms = turn_cpu_ms(clock, hf)
+        print(f"HF Trainer: {_summary(hf.figures('hf_trainer'), 'hf_trainer')}", flush=True)
+        dask = run_in_turns("torchrun-hf", start_dask_tasks_hf(cluster),
+                            "_hf_torchrun_peer.py", hf_args, turns, turn_s)
+        print(f"plain Dask tasks: {_summary(dask.figures('dask_tasks_hf'), 'dask_tasks_hf')}",
+              flush=True)
+        script = run_in_turns("torchrun-script", start_nbtrain_script(cluster),
+                              "_torchrun_peer.py", ["--steps", str(MANY_STEPS)], turns, turn_s)
+        print(f"script: {_summary(script.figures('script'), 'script')}", flush=True)
+        hf_figures = hf.figures("hf_trainer")
+        peer_rate = hf_figures.get("hf_trainer_peer_steps_per_s")
+        interference = measure_interference(
+            INTERFERENCE_STEPS, 2 if args.quick else 4, cpu_ms or 0.0,
+            [peer_rate] if peer_rate else [])
         recovered = script_recovers(cluster, root / "script-kill")
         ok = {name: recovers_exactly(cluster, fn, root, 12)
               for name, fn in (("hf_ok", hf_trainer_train), ("accelerate_ok", accelerate_train),
                                ("lightning_ok", fabric_train))}
-    got = [p.value for p in peers if p.value is not None]
-    got_script = [p.value for p in script_peers if p.value is not None]
+    dask_figures = dask.figures("dask_tasks_hf")
+    ours_rate = hf_figures.get("hf_trainer_ours_steps_per_s")
     figures = {
-        "hf_trainer_steps_per_s": round(statistics.median(ours), 2),
-        "torchrun_hf_steps_per_s": round(statistics.median(got), 2) if got else None,
-        "hf_trainer_ratio": ratio(statistics.median(ours), statistics.median(got) if got
-                                  else None),
-        "script_steps_per_s": round(statistics.median(script), 2),
-        "torchrun_script_steps_per_s": round(statistics.median(got_script), 2) if got_script
-        else None,
-        "script_ratio": ratio(statistics.median(script), statistics.median(got_script)
-                              if got_script else None),
-        **pair_figures("hf_trainer", ours, peers),
-        "dask_tasks_hf_steps_per_s": round(statistics.median(dask_tasks), 2),
-        "dask_tasks_hf_ratio": ratio(statistics.median(dask_tasks), statistics.median(got)
-                                     if got else None),
-        "hf_trainer_over_dask_tasks": ratio(statistics.median(ours),
-                                            statistics.median(dask_tasks)),
-        **pair_figures("dask_tasks_hf", dask_tasks, peers),
-        "hf_trainer_extra_ms_per_step": round(1000 / statistics.median(ours)
-                                              - 1000 / statistics.median(got), 2) if got else None,
-        "scheduler_cpu_ms_per_step": round(statistics.median(cpu_ms), 2),
+        **hf_figures,
+        "hf_trainer_extra_ms_per_step": round(1000 / ours_rate - 1000 / peer_rate, 2)
+        if ours_rate and peer_rate else None,
+        "scheduler_cpu_ms_per_step": round(cpu_ms, 2) if cpu_ms is not None else None,
+        **dask_figures,
+        "hf_trainer_over_dask_tasks": ratio(hf_figures["hf_trainer_ratio"],
+                                            dask_figures["dask_tasks_hf_ratio"]),
+        **script.figures("script"),
         **interference,
-        **pair_figures("script", script, script_peers),
         "script_recovered": recovered,
-        "rounds": rounds, "steps": steps, "script_steps": script_steps,
-        **ok, **peer_figures(peers + script_peers)}
+        "turns": turns, "turn_s": turn_s, "skip_s": SKIP_S,
+        **ok, **peer_figures([hf.peer, dask.peer, script.peer])}
     print(json.dumps(figures), flush=True)
+
+
+def _summary(figures: dict[str, Any], name: str) -> str:
+    return (f"ratio {figures.get(f'{name}_ratio')} over {figures.get(f'{name}_cycles')} "
+            f"cycles (interquartile range {figures.get(f'{name}_pair_iqr')}), "
+            f"{figures.get(f'{name}_ours_steps_per_s')} vs "
+            f"{figures.get(f'{name}_peer_steps_per_s')} steps/s")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,130 @@
+"""Turn-taking: the members of a rate comparison run at once and train in turns.
+
+Two runs made one after the other on a shared 2-core machine differ by the systems and by
+the machine's drift in between, and that drift (10-20% within a minute here) is larger than
+the difference a benchmark is after. Here all members start together and take turns of
+``turn_s`` seconds on one wall-clock schedule from ``t0``: member ``m`` of ``n`` trains in
+turns ``m, m + n, m + 2n, ...`` and sleeps in the others. The turns of a cycle are seconds
+apart, so the machine's drift cancels in their ratio, and many short cycles make a
+median that a few seconds of foreign load cannot move.
+
+Every rank calls :meth:`Turns.after_step` at each step end. The ranks of a member agree,
+through one all-reduce of a flag per step (paid by every member alike), whether its turn is
+over; then they sleep together until its next turn, or stop after its last one.
+:meth:`Turns.rates` reads a member's steady rate in each of its turns from its step end
+times, leaving out the first ``skip_s`` of each turn (the hand-over: the other member's last
+step, cold caches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Turns:
+    t0: float  # wall-clock start of turn 0
+    turn_s: float
+    members: int
+    turns: int  # per member
+    me: int = 0
+
+    def member(self, me: int) -> Turns:
+        return dataclasses.replace(self, me=me)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Turns:
+        return cls(**json.loads(text))
+
+    @property
+    def end(self) -> float:
+        return self.t0 + self.members * self.turns * self.turn_s
+
+    def start(self, k: int) -> float:
+        return self.t0 + k * self.turn_s
+
+    def mine(self, t: float) -> bool:
+        """Whether wall-clock time ``t`` lies in one of this member's turns."""
+        if t < self.t0 or t >= self.end:
+            return False
+        return int((t - self.t0) // self.turn_s) % self.members == self.me
+
+    def next_start(self, t: float) -> float | None:
+        """The start of this member's first turn that begins after ``t`` (None: no more)."""
+        k = 0 if t < self.t0 else int((t - self.t0) // self.turn_s) + 1
+        k += (self.me - k) % self.members
+        return self.start(k) if k < self.members * self.turns else None
+
+    def after_step(self) -> bool:
+        """At a step end on every rank: True to train on (after sleeping until this member's
+        next turn if its turn is over), False once its last turn is over."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([0 if self.mine(time.time()) else 1])
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not int(flag.item()):
+            return True
+        start = self.next_start(time.time())
+        if start is None:
+            return False
+        time.sleep(max(0.0, start - time.time()))
+        return True
+
+    def rates(self, times: Sequence[float], skip_s: float) -> dict[int, float]:
+        """This member's steady rate (steps/s) in each of its turns, by cycle: from the step
+        ends in ``[start + skip_s, end)`` of the turn; turns with fewer than 3 are left out."""
+        out: dict[int, float] = {}
+        for cycle in range(self.turns):
+            k = cycle * self.members + self.me
+            lo, hi = self.start(k) + skip_s, self.start(k + 1)
+            inside = [t for t in times if lo <= t < hi]
+            if len(inside) >= 3 and inside[-1] > inside[0]:
+                out[cycle] = (len(inside) - 1) / (inside[-1] - inside[0])
+        return out
+
+
+def hf_turn_callback(turns: Turns) -> Any:
+    """A ``transformers`` callback that takes ``turns`` at each step end."""
+    from transformers import TrainerCallback
+
+    class TakeTurns(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if not turns.after_step():
+                control.should_training_stop = True
+
+    return TakeTurns()
+
+
+def pair_figures(name: str, ours: dict[int, float], peer: dict[int, float], *,
+                 ready: float, turns: Turns) -> dict[str, Any]:
+    """The ratio figures of two members' turn rates (``ours`` member 0, ``peer`` member 1):
+    cycles where both have a rate, after the first (warm-up) cycle and after both members
+    had made their first step (``ready``: a member still starting would load the other's
+    turns). ``{name}_ratio`` is the median of the cycles' ratios (each cycle's two turns are
+    seconds apart), ``{name}_pooled_ratio`` the ratio of the members' mean rates over those
+    cycles, with the cycles' interquartile range and count."""
+    cycles = [c for c in sorted(set(ours) & set(peer))
+              if c >= 1 and turns.start(c * turns.members) >= ready]
+    pairs = [ours[c] / peer[c] for c in cycles]
+    iqr = None
+    if len(pairs) >= 2:
+        q1, _, q3 = statistics.quantiles(pairs, n=4)
+        iqr = round(q3 - q1, 4)
+    mean_ours = statistics.fmean(ours[c] for c in cycles) if cycles else math.nan
+    mean_peer = statistics.fmean(peer[c] for c in cycles) if cycles else math.nan
+    return {f"{name}_ratio": round(statistics.median(pairs), 4) if pairs else None,
+            f"{name}_pooled_ratio": round(mean_ours / mean_peer, 4) if cycles else None,
+            f"{name}_pair_iqr": iqr, f"{name}_cycles": len(cycles),
+            f"{name}_ours_steps_per_s": round(mean_ours, 2) if cycles else None,
+            f"{name}_peer_steps_per_s": round(mean_peer, 2) if cycles else None}
