@@ -4,24 +4,12 @@ Pure (no processes, no clock): times are given, so each test is exact."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+from tests.conftest import load_file_module
 
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("_turns", BENCHMARKS / "_turns.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("_turns", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-turns_mod = _load()
+turns_mod = load_file_module(Path(__file__).resolve().parent.parent / "benchmarks" / "_turns.py",
+                             "_turns")
 Turns = turns_mod.Turns
 SCHEDULE = Turns(t0=100.0, turn_s=2.0, members=2, turns=3)  # turns 0..5 over [100, 112)
 
