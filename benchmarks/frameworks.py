@@ -41,7 +41,7 @@ cluster's ``hang_floor_s`` is raised to ``HANG_FLOOR_S``: a member sleeping thro
 other's turn makes no step progress, on purpose.
 
 Usage: ``python benchmarks/frameworks.py [--quick] [--turns N] [--turn-s S]``. Full mode:
-25 turns of 2 s per member and comparison, about 12 minutes. Last stdout line: JSON. A
+25 turns of 2 s per member and comparison, about 9 minutes. Last stdout line: JSON. A
 torchrun run that fails is tried once more with a new schedule (``benchmarks/_peers.py``); if
 it fails again its ratio is null and ``peer_failed`` says why.
 """
