@@ -81,17 +81,23 @@ class Turns:
         time.sleep(max(0.0, start - time.time()))
         return True
 
-    def rates(self, times: Sequence[float], skip_s: float) -> dict[int, float]:
-        """This member's steady rate (steps/s) in each of its turns, by cycle: from the step
-        ends in ``[start + skip_s, end)`` of the turn; turns with fewer than 3 are left out."""
-        out: dict[int, float] = {}
+    def windows(self, times: Sequence[float], skip_s: float) -> dict[int, list[float]]:
+        """The step ends in each of this member's turns, by cycle: those in ``[start +
+        skip_s, end)`` of the turn; turns with fewer than 3, or all at one time, are left
+        out."""
+        out: dict[int, list[float]] = {}
         for cycle in range(self.turns):
             k = cycle * self.members + self.me
             lo, hi = self.start(k) + skip_s, self.start(k + 1)
             inside = [t for t in times if lo <= t < hi]
             if len(inside) >= 3 and inside[-1] > inside[0]:
-                out[cycle] = (len(inside) - 1) / (inside[-1] - inside[0])
+                out[cycle] = inside
         return out
+
+    def rates(self, times: Sequence[float], skip_s: float) -> dict[int, float]:
+        """This member's steady rate (steps/s) in each of its turns (:meth:`windows`)."""
+        return {cycle: (len(ends) - 1) / (ends[-1] - ends[0])
+                for cycle, ends in self.windows(times, skip_s).items()}
 
 
 def hf_turn_callback(turns: Turns) -> Any:

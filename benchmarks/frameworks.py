@@ -246,14 +246,10 @@ def turn_cpu_ms(clock: CpuClock, run: TurnRun) -> float | None:
     """CPU this process used per step of our member's measured turns, in ms."""
     if run.turns is None or run.ours is None:
         return None
-    mine = run.turns.member(0)
     cpu, steps = 0.0, 0
-    for cycle in range(mine.turns):
-        lo = mine.start(cycle * mine.members) + SKIP_S
-        inside = [t for t in run.ours if lo <= t < mine.start(cycle * mine.members + 1)]
-        if len(inside) >= 3:
-            cpu += clock.between(inside[0], inside[-1])
-            steps += len(inside) - 1
+    for ends in run.turns.member(0).windows(run.ours, SKIP_S).values():
+        cpu += clock.between(ends[0], ends[-1])
+        steps += len(ends) - 1
     return cpu / steps * 1000 if steps else None
 
 
@@ -413,15 +409,16 @@ def main() -> None:
             hf = run_in_turns("torchrun-hf", start_nbtrain_hf(cluster), "_hf_torchrun_peer.py",
                               hf_args, turns, turn_s)
         cpu_ms = turn_cpu_ms(clock, hf)
-        print(f"HF Trainer: {_summary(hf.figures('hf_trainer'), 'hf_trainer')}", flush=True)
+        hf_figures = hf.figures("hf_trainer")
+        print(f"HF Trainer: {_summary(hf_figures, 'hf_trainer')}", flush=True)
         dask = run_in_turns("torchrun-hf", start_dask_tasks_hf(cluster),
                             "_hf_torchrun_peer.py", hf_args, turns, turn_s)
-        print(f"plain Dask tasks: {_summary(dask.figures('dask_tasks_hf'), 'dask_tasks_hf')}",
-              flush=True)
+        dask_figures = dask.figures("dask_tasks_hf")
+        print(f"plain Dask tasks: {_summary(dask_figures, 'dask_tasks_hf')}", flush=True)
         script = run_in_turns("torchrun-script", start_nbtrain_script(cluster),
                               "_torchrun_peer.py", ["--steps", str(MANY_STEPS)], turns, turn_s)
-        print(f"script: {_summary(script.figures('script'), 'script')}", flush=True)
-        hf_figures = hf.figures("hf_trainer")
+        script_figures = script.figures("script")
+        print(f"script: {_summary(script_figures, 'script')}", flush=True)
         peer_rate = hf_figures.get("hf_trainer_peer_steps_per_s")
         interference = measure_interference(
             INTERFERENCE_STEPS, 2 if args.quick else 4, cpu_ms or 0.0,
@@ -430,7 +427,6 @@ def main() -> None:
         ok = {name: recovers_exactly(cluster, fn, root, 12)
               for name, fn in (("hf_ok", hf_trainer_train), ("accelerate_ok", accelerate_train),
                                ("lightning_ok", fabric_train))}
-    dask_figures = dask.figures("dask_tasks_hf")
     ours_rate = hf_figures.get("hf_trainer_ours_steps_per_s")
     figures = {
         **hf_figures,
@@ -440,7 +436,7 @@ def main() -> None:
         **dask_figures,
         "hf_trainer_over_dask_tasks": ratio(hf_figures["hf_trainer_ratio"],
                                             dask_figures["dask_tasks_hf_ratio"]),
-        **script.figures("script"),
+        **script_figures,
         **interference,
         "script_recovered": recovered,
         "turns": turns, "turn_s": turn_s, "skip_s": SKIP_S,
