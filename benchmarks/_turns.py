@@ -18,6 +18,7 @@ step, cold caches).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
@@ -94,10 +95,51 @@ class Turns:
                 out[cycle] = inside
         return out
 
+    def per_step(self, samples: Sequence[Sequence[float]], skip_s: float
+                 ) -> dict[int, list[float]]:
+        """This member's means per step in each of its turns (:meth:`windows` of the
+        samples' times), from :func:`thread_sample` rows taken at each step end: wall ms, CPU
+        ms of the training thread, its voluntary and its involuntary context switches."""
+        times = [s[0] for s in samples]
+        out: dict[int, list[float]] = {}
+        for cycle, ends in self.windows(times, skip_s).items():
+            i0, i1 = bisect.bisect_left(times, ends[0]), bisect.bisect_left(times, ends[-1])
+            first, last, n = samples[i0], samples[i1], i1 - i0
+            out[cycle] = [(last[0] - first[0]) / n * 1000, (last[1] - first[1]) / n * 1000,
+                          (last[2] - first[2]) / n, (last[3] - first[3]) / n]
+        return out
+
     def rates(self, times: Sequence[float], skip_s: float) -> dict[int, float]:
         """This member's steady rate (steps/s) in each of its turns (:meth:`windows`)."""
         return {cycle: (len(ends) - 1) / (ends[-1] - ends[0])
                 for cycle, ends in self.windows(times, skip_s).items()}
+
+
+def thread_sample() -> list[float]:
+    """The calling thread now: wall clock, CPU seconds, and its voluntary and involuntary
+    context switches so far (Linux's ``/proc/thread-self/status``; 0 elsewhere)."""
+    switches = {"voluntary_ctxt_switches:": 0.0, "nonvoluntary_ctxt_switches:": 0.0}
+    try:
+        with open("/proc/thread-self/status") as f:
+            for line in f:
+                name, _, value = line.partition("\t")
+                if name in switches:
+                    switches[name] = float(value)
+    except OSError:
+        pass
+    return [time.time(), time.thread_time(), *switches.values()]
+
+
+def hf_probe_callback(samples: list[list[float]]) -> Any:
+    """A ``transformers`` callback that appends a :func:`thread_sample` at each step end
+    (add it before :func:`hf_turn_callback`, which sleeps through the other's turns)."""
+    from transformers import TrainerCallback
+
+    class Probe(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            samples.append(thread_sample())
+
+    return Probe()
 
 
 def hf_turn_callback(turns: Turns) -> Any:

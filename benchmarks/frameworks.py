@@ -63,11 +63,11 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import cloudpickle
 from _peers import PeerAttempt, PeerResult, peer_figures, ratio, run_peer
-from _turns import Turns, hf_turn_callback, pair_figures
+from _turns import Turns, hf_probe_callback, hf_turn_callback, pair_figures
 from overhead import PLAIN_ENV, steady_rate  # the environment before connect(), rates
 
 import nbtrain
@@ -92,20 +92,33 @@ TURNS_TIMEOUT_S = 900.0
 #: The cluster's hang floor here: longer than the start margin and a turn of the other.
 HANG_FLOOR_S = 120.0
 
+T = TypeVar("T")
+
 # The workers unpickle the members' callbacks without benchmarks/ on their path.
 cloudpickle.register_pickle_by_value(sys.modules["_turns"])
 
 
 def hf_turns_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> dict[str, Any]:
     """The nbtrain member: ``hf_trainer_train``'s ``Trainer`` through ``run_trainer``,
-    training in its turns (``config["turns"]``); rank 0's step end times."""
+    training in its turns (``config["turns"]``); rank 0's step end times, and with
+    ``config["probe"]`` its per-step thread samples and every rank's pid (as the HF peer's
+    ``--probe``)."""
+    import torch.distributed as dist
+
     from nbtrain.framework_examples import build_trainer
     from nbtrain.runtime.hf import run_trainer
 
     trainer, times = build_trainer(config)
+    samples: list[list[float]] = []
+    if config.get("probe"):
+        trainer.add_callback(hf_probe_callback(samples))
     trainer.add_callback(hf_turn_callback(Turns.from_json(config["turns"])))
     run_trainer(ctx, trainer)
-    return {"step_times": times}
+    if not config.get("probe"):
+        return {"step_times": times}
+    pids: list[int] = [0] * ctx.world_size
+    dist.all_gather_object(pids, os.getpid())
+    return {"step_times": times, "samples": samples, "pids": pids}
 
 
 def _hf_rank_task(rank: int, port: int, work: str, steps: int, turns: str) -> list[float]:
@@ -148,12 +161,18 @@ def _hf_rank_task(rank: int, port: int, work: str, steps: int, turns: str) -> li
 Start = Callable[[Turns, Path], Callable[[], list[float]]]
 
 
+def submit_hf_turns(cluster: nbtrain.Cluster, turns: Turns, work: Path, *,
+                    probe: bool = False) -> nbtrain.JobHandle:
+    """The nbtrain HF member's job (:func:`hf_turns_train`)."""
+    return cluster.submit(hf_turns_train, world_size=2, steps=MANY_STEPS, checkpoint=None,
+                          name="hf-turns", config={"work_dir": str(work / "nbtrain"),
+                                                   "n_embd": N_EMBD, "probe": probe,
+                                                   "turns": turns.to_json()})
+
+
 def start_nbtrain_hf(cluster: nbtrain.Cluster) -> Start:
     def start(turns: Turns, work: Path) -> Callable[[], list[float]]:
-        job = cluster.submit(hf_turns_train, world_size=2, steps=MANY_STEPS, checkpoint=None,
-                             name="hf-turns", config={"work_dir": str(work / "nbtrain"),
-                                                      "n_embd": N_EMBD,
-                                                      "turns": turns.to_json()})
+        job = submit_hf_turns(cluster, turns, work)
         return lambda: list(job.result(timeout=TURNS_TIMEOUT_S)["step_times"])
     return start
 
@@ -214,11 +233,22 @@ def run_in_turns(peer_name: str, start: Start, script: str, args: list[str], tur
                  turn_s: float) -> TurnRun:
     """Start our member and the same code under ``torchrun --nproc-per-node 2`` together,
     on one schedule of ``turns`` turns each of ``turn_s`` seconds (ours first in each
-    cycle). A failed torchrun attempt is tried once more with a new schedule, after our
-    member has finished the old one; our member's failure fails the run."""
+    cycle); both give their step end times (see :func:`race_in_turns`)."""
+    schedule, ours, peer = race_in_turns(peer_name, start, script, args, turns, turn_s)
+    return TurnRun(schedule, ours, peer)
+
+
+def race_in_turns(peer_name: str, start: Callable[[Turns, Path], Callable[[], T]],
+                  script: str, args: list[str], turns: int, turn_s: float
+                  ) -> tuple[Turns | None, T | None, PeerResult[Any]]:
+    """Our member (``start``) and ``script`` under ``torchrun --nproc-per-node 2`` at once,
+    in turns: the schedule (None where the peer failed twice), what our member gave and the
+    peer's outcome (the JSON its rank 0 wrote to ``--out``). A failed torchrun attempt is
+    tried once more with a new schedule, after our member has finished the old one; our
+    member's failure fails the run."""
     got: dict[str, Any] = {}
 
-    def attempt(attempt: PeerAttempt) -> list[float]:
+    def attempt(attempt: PeerAttempt) -> Any:
         schedule = Turns(t0=time.time() + START_MARGIN_S, turn_s=turn_s, members=2,
                          turns=turns)
         finish = start(schedule.member(0), attempt.workdir)
@@ -234,12 +264,12 @@ def run_in_turns(peer_name: str, start: Start, script: str, args: list[str], tur
                 got.update(ours=finish(), turns=schedule)
             except Exception as exc:  # nbtrain's failure: raised after the peer's outcome
                 got["error"] = exc
-        return list(json.loads(out.read_text()))
+        return json.loads(out.read_text())
 
     peer = run_peer(peer_name, attempt)
     if "error" in got:
         raise got["error"]
-    return TurnRun(got.get("turns") if peer.value else None, got.get("ours"), peer)
+    return got.get("turns") if peer.value else None, got.get("ours"), peer
 
 
 def turn_cpu_ms(clock: CpuClock, run: TurnRun) -> float | None:

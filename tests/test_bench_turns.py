@@ -1,6 +1,8 @@
-"""benchmarks/_turns.py: the schedule two benchmark members share, and the rates read from it.
+"""benchmarks/_turns.py: the schedule two benchmark members share, and the rates and per-step
+means read from it; benchmarks/_schedtrace.py: a scheduler trace split by role.
 
-Pure (no processes, no clock): times are given, so each test is exact."""
+Pure (no processes, no clock, no perf): times and trace lines are given, so each test is
+exact."""
 
 from __future__ import annotations
 
@@ -61,3 +63,54 @@ def test_pair_figures_use_cycles_after_the_first_and_after_both_were_ready() -> 
     assert late["x_cycles"] == 2 and late["x_ratio"] == round((0.95 + 0.8) / 2, 4)
     none = turns_mod.pair_figures("x", {}, peer, ready=0.0, turns=schedule)
     assert none["x_ratio"] is None and none["x_cycles"] == 0
+
+
+def test_per_step_means_come_from_each_turns_first_and_last_sample() -> None:
+    a = SCHEDULE.member(0)
+    # Turn 0 (100-102): a step every 0.1 s from 100.05, each 6 ms of CPU, one involuntary
+    # switch every other step, 3 voluntary ones each. Samples in member 1's turn are ignored.
+    samples = [[100.05 + 0.1 * i, 0.006 * i, 3.0 * i, float(i // 2)] for i in range(19)]
+    samples.append([103.0, 5.0, 1000.0, 1000.0])
+    rows = a.per_step(samples, skip_s=0.3)
+    assert set(rows) == {0}
+    wall_ms, cpu_ms, vol, invol = rows[0]  # samples 3 (100.35) .. 18 (101.85): 15 steps
+    assert abs(wall_ms - 100.0) < 1e-9 and abs(cpu_ms - 6.0) < 1e-9
+    assert vol == 3.0 and invol == (9 - 1) / 15
+
+
+sched = load_file_module(Path(__file__).resolve().parent.parent / "benchmarks" / "_schedtrace.py",
+                         "_schedtrace")
+
+TIMEHIST = """\
+           time    cpu  task name                       wait time  sch delay   run time
+                        [tid/pid]                          (msec)     (msec)     (msec)
+--------------- ------  ------------------------------  ---------  ---------  ---------
+   10.000100 [0000]  python[8606]                        0.000      0.015      0.400
+   10.000200 [0001]  <idle>                              0.000      0.000      1.096
+   10.500000 [0001]  python[8621/8600]                   0.029      0.022      2.000
+   10.600000 [0000]  gloo_tcp_loop[8646/8606]            0.000      0.010      0.600
+   11.500000 [0000]  kworker/0:1-mm[28672]               0.000      0.000      1.000
+   12.500000 [0001]  python[8606]                        0.000      0.000      9.000
+"""
+
+
+def test_timehist_lines_become_slices_of_their_process() -> None:
+    slices = sched.parse_timehist(TIMEHIST)
+    assert [(s.comm, s.tid, s.pid, s.run_ms) for s in slices] == [
+        ("python", 8606, 8606, 0.4), ("python", 8621, 8600, 2.0),
+        ("gloo_tcp_loop", 8646, 8606, 0.6), ("kworker/0:1-mm", 28672, 28672, 1.0),
+        ("python", 8606, 8606, 9.0)]  # the idle task and the headers are not slices
+    assert slices[0].end == 10.0001 and slices[1].cpu == 1
+
+
+def test_cpu_by_role_counts_slices_that_end_inside_the_windows() -> None:
+    slices = sched.parse_timehist(TIMEHIST)
+    # Windows [11.0, 11.6) and [10.0, 10.65), out of order; the slice ending at 12.5 is out.
+    got = sched.cpu_by_role(slices, [(11.0, 11.6), (10.0, 10.65)], {8606: "rank", 8600: "ctl"},
+                            cores=2)
+    seconds = 0.6 + 0.65
+    assert got["rank"] == round((0.4 + 0.6) / seconds, 1)
+    assert got["ctl"] == round(2.0 / seconds, 1)
+    assert got["other"] == round(1.0 / seconds, 1)
+    assert got["idle"] == round(2000 - 4.0 / seconds, 1)
+    assert sched.cpu_by_role(slices, [], {}, cores=2) == {}
