@@ -50,6 +50,10 @@ def test_hf_trainer_trains_distributed_and_recovers_exactly(
     m = clean.metrics
     assert sorted(m["rank"].unique()) == [0, 1] and m["step"].max() == STEPS
     assert m["loss"].notna().all() and m["learning_rate"].notna().all()  # the Trainer's logs
+    # ... printed once, by rank 0, as torchrun on one host prints them (each rank is a
+    # torchrun node of its own, LOCAL_RANK 0, so the Trainer alone would print on both)
+    printed = [line for line in clean.logs(tail=None) if "{'loss'" in line]
+    assert printed and all(line.startswith("[rank 0 ") for line in printed), printed[:4]
     killed = _run(free_cluster, hf_trainer_train, tmp_path / "killed", kill=True)
     assert killed.result()["global_step"] == STEPS  # counted on from the restored step
     _same_params(tmp_path / "clean", tmp_path / "killed")

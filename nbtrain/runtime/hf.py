@@ -17,8 +17,12 @@ What it needs of the ``Trainer`` (each checked, with the fix in the error):
 
 The ranks look like torchrun's (``nbtrain.runtime.torchrun_env``), so the ``Trainer`` sees a
 distributed run of ``world_size`` processes and wraps the model in DDP over nbtrain's process
-group. A recovered generation continues bit-exactly: the model, optimizer, scheduler and RNG
-come from the checkpoint, the data position too, and the ``Trainer``'s step counter is set to
+group. Each rank is a torchrun node of its own there (``LOCAL_RANK`` 0, so that a GPU worker's
+one device is ``cuda:0``), which would make the ``Trainer``'s ``PrinterCallback`` print every
+log on every rank; it is removed on all ranks but rank 0, so ``job.logs()`` shows each log
+line once, as torchrun on one host prints it (every rank's logs still reach ``ctx.report``).
+A recovered generation continues bit-exactly: the model, optimizer, scheduler and RNG come
+from the checkpoint, the data position too, and the ``Trainer``'s step counter is set to
 the restored step before its first step.
 """
 
@@ -81,6 +85,10 @@ def run_trainer(ctx: RankContext, trainer: Any, *, global_batch_size: int | None
                           and not k.startswith("train_")})  # train_*: the run's summary
 
     trainer.add_callback(_Report())
+    if ctx.rank != 0:
+        from transformers.trainer_callback import PrinterCallback
+
+        trainer.remove_callback(PrinterCallback)
     trainer.get_train_dataloader = lambda: batches
     output = trainer.train(**train_kwargs)
     batches.finish()
