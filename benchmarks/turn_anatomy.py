@@ -53,14 +53,20 @@ SCHED_CYCLES = 4
 STATS = ("wall_ms", "cpu_ms", "voluntary", "involuntary")
 
 
+def traced_cycles(turns: Turns) -> range:
+    """The cycles the scheduler trace covers: ``SCHED_CYCLES`` from the schedule's middle."""
+    first = max(0, (turns.turns - SCHED_CYCLES) // 2)
+    return range(first, min(turns.turns, first + SCHED_CYCLES))
+
+
 def start_probed(cluster: nbtrain.Cluster, trace: SchedTrace | None
                  ) -> Callable[[Turns, Path], Callable[[], dict[str, Any]]]:
     """The nbtrain member with per-step samples; starts ``trace`` at its schedule's middle."""
     def start(turns: Turns, work: Path) -> Callable[[], dict[str, Any]]:
         if trace is not None:
-            first = (turns.turns - SCHED_CYCLES) // 2 * turns.members
-            at = turns.start(first) - time.time() + time.monotonic()
-            trace.start(at, SCHED_CYCLES * turns.members * turns.turn_s)
+            cycles = traced_cycles(turns)
+            at = turns.start(cycles.start * turns.members) - time.time() + time.monotonic()
+            trace.start(at, len(cycles) * turns.members * turns.turn_s)
         job = submit_hf_turns(cluster, turns, work, probe=True)
         return lambda: dict(job.result(timeout=TURNS_TIMEOUT_S))
     return start
@@ -92,7 +98,6 @@ def sched_figures(trace: SchedTrace, turns: Turns, ours: dict[str, Any],
     if not slices:
         return {"sched_error": trace.error or "the trace is empty"}
     shift = time.monotonic() - time.time()  # wall clock to monotonic, as the trace keeps it
-    first_cycle = (turns.turns - SCHED_CYCLES) // 2
     out = {}
     for me, label in ((0, "ours_turns"), (1, "peer_turns")):
         running, sleeping = (ours, peer) if me == 0 else (peer, ours)
@@ -100,8 +105,7 @@ def sched_figures(trace: SchedTrace, turns: Turns, ours: dict[str, Any],
                  **{pid: "sleeping member" for pid in sleeping["pids"]},
                  os.getpid(): "this process (scheduler, controller, client)"}
         spans = [(turns.start(k) + SKIP_S + shift, turns.start(k + 1) + shift)
-                 for k in (c * turns.members + me
-                           for c in range(first_cycle, first_cycle + SCHED_CYCLES))]
+                 for k in (c * turns.members + me for c in traced_cycles(turns))]
         out[label] = cpu_by_role(slices, spans, roles, cores=2)
     return {"sched_ms_per_s": out}
 
