@@ -16,7 +16,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from _turns import Turns, hf_probe_callback, hf_turn_callback
+from _turns import Turns, hf_probe_callback, hf_turn_callback, rank_pids
 
 from nbtrain.framework_examples import build_trainer
 
@@ -41,12 +41,10 @@ def main() -> None:
     if args.turns:
         trainer.add_callback(hf_turn_callback(Turns.from_json(args.turns)))
     trainer.train()
-    pids: list[int] = [0] * dist.get_world_size()
-    if args.probe:
-        dist.all_gather_object(pids, os.getpid())
+    result = {"samples": samples, "pids": rank_pids()} if args.probe else times
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
-            json.dump({"samples": samples, "pids": pids} if args.probe else times, f)
+            json.dump(result, f)
     dist.destroy_process_group()
 
 

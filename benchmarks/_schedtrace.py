@@ -59,14 +59,13 @@ def cpu_by_role(slices: Iterable[Slice], windows: Sequence[tuple[float, float]],
     """CPU ms per second of window, by role, over the slices that ended inside one of the
     ``windows`` (monotonic ``[lo, hi)``): each pid in ``roles`` under its role, any other
     thread under ``"other"``, and ``"idle"`` what no thread used of ``cores`` cores."""
-    spans = sorted(windows)
-    seconds = sum(hi - lo for lo, hi in spans)
+    seconds = sum(hi - lo for lo, hi in windows)
     if seconds <= 0:
         return {}
     used: dict[str, float] = {role: 0.0 for role in roles.values()}
     used["other"] = 0.0
     for s in slices:
-        if s.pid == 0 or not any(lo <= s.end < hi for lo, hi in spans):
+        if s.pid == 0 or not any(lo <= s.end < hi for lo, hi in windows):
             continue
         role = roles.get(s.pid, "other")
         used[role] += s.run_ms

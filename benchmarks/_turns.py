@@ -130,6 +130,17 @@ def thread_sample() -> list[float]:
     return [time.time(), time.thread_time(), *switches.values()]
 
 
+def rank_pids() -> list[int]:
+    """Collective: every rank's process id, in rank order (on every rank)."""
+    import os
+
+    import torch.distributed as dist
+
+    pids: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    return pids
+
+
 def hf_probe_callback(samples: list[list[float]]) -> Any:
     """A ``transformers`` callback that appends a :func:`thread_sample` at each step end
     (add it before :func:`hf_turn_callback`, which sleeps through the other's turns)."""

@@ -49,6 +49,7 @@ it fails again its ratio is null and ``peer_failed`` says why.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -61,13 +62,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import cloudpickle
 from _peers import PeerAttempt, PeerResult, peer_figures, ratio, run_peer
-from _turns import Turns, hf_probe_callback, hf_turn_callback, pair_figures
+from _turns import Turns, hf_probe_callback, hf_turn_callback, pair_figures, rank_pids
 from overhead import PLAIN_ENV, steady_rate  # the environment before connect(), rates
 
 import nbtrain
@@ -103,8 +104,6 @@ def hf_turns_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> dict[str
     training in its turns (``config["turns"]``); rank 0's step end times, and with
     ``config["probe"]`` its per-step thread samples and every rank's pid (as the HF peer's
     ``--probe``)."""
-    import torch.distributed as dist
-
     from nbtrain.framework_examples import build_trainer
     from nbtrain.runtime.hf import run_trainer
 
@@ -116,9 +115,7 @@ def hf_turns_train(ctx: nbtrain.RankContext, config: dict[str, Any]) -> dict[str
     run_trainer(ctx, trainer)
     if not config.get("probe"):
         return {"step_times": times}
-    pids: list[int] = [0] * ctx.world_size
-    dist.all_gather_object(pids, os.getpid())
-    return {"step_times": times, "samples": samples, "pids": pids}
+    return {"step_times": times, "samples": samples, "pids": rank_pids()}
 
 
 def _hf_rank_task(rank: int, port: int, work: str, steps: int, turns: str) -> list[float]:
@@ -159,6 +156,25 @@ def _hf_rank_task(rank: int, port: int, work: str, steps: int, turns: str) -> li
 #: Starts a member on its turns in a working directory; what it returns waits for the member
 #: and gives its rank 0's step end times.
 Start = Callable[[Turns, Path], Callable[[], list[float]]]
+
+
+@contextlib.contextmanager
+def connect_warm(root: Path) -> Iterator[nbtrain.Cluster]:
+    """The benchmarks' embedded 2-worker cluster (``HANG_FLOOR_S``: a member sleeps through
+    the other's turns, and through the start margin before its first one, on purpose; the
+    hang watchdog must not take that for a hang), with an HF job run once so that both
+    workers have imported what the members need."""
+    with nbtrain.connect(n_workers=2, settings=nbtrain.Settings.load(
+            checkpoint_root=str(root / "checkpoints"), hang_floor_s=HANG_FLOOR_S)) as cluster:
+        cluster.submit(hf_trainer_train, world_size=2, steps=20, checkpoint=None,
+                       config={"work_dir": str(root / "warm"), "n_embd": N_EMBD}
+                       ).result(timeout=600)
+        yield cluster
+
+
+def hf_peer_args(root: Path) -> list[str]:
+    """``_hf_torchrun_peer.py``'s arguments for a member in turns (before ``--out``)."""
+    return ["--steps", str(MANY_STEPS), "--work", str(root / "peer"), "--n-embd", str(N_EMBD)]
 
 
 def submit_hf_turns(cluster: nbtrain.Cluster, turns: Turns, work: Path, *,
@@ -426,15 +442,8 @@ def main() -> None:
     turns, turn_s = (QUICK_TURNS, QUICK_TURN_S) if args.quick else (TURNS, TURN_S)
     turns, turn_s = args.turns or turns, args.turn_s or turn_s
     root = Path(tempfile.mkdtemp(prefix="nbtrain-frameworks-"))
-    # A member sleeps through the other's turns, and through the start margin before its
-    # first one: the hang watchdog must not take that for a hang.
-    with nbtrain.connect(n_workers=2, settings=nbtrain.Settings.load(
-            checkpoint_root=str(root / "checkpoints"), hang_floor_s=HANG_FLOOR_S)) as cluster:
-        warm = root / "warm"
-        cluster.submit(hf_trainer_train, world_size=2, steps=20, checkpoint=None,  # imports
-                       config={"work_dir": str(warm), "n_embd": N_EMBD}).result(timeout=600)
-        hf_args = ["--steps", str(MANY_STEPS), "--work", str(root / "peer"),
-                   "--n-embd", str(N_EMBD)]
+    with connect_warm(root) as cluster:
+        hf_args = hf_peer_args(root)
         with CpuClock() as clock:
             hf = run_in_turns("torchrun-hf", start_nbtrain_hf(cluster), "_hf_torchrun_peer.py",
                               hf_args, turns, turn_s)

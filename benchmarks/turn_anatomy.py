@@ -35,11 +35,10 @@ from typing import Any
 from _schedtrace import SchedTrace, available, cpu_by_role
 from _turns import Turns
 from frameworks import (
-    HANG_FLOOR_S,
-    N_EMBD,
     SKIP_S,
     TURNS_TIMEOUT_S,
-    hf_trainer_train,
+    connect_warm,
+    hf_peer_args,
     race_in_turns,
     submit_hf_turns,
 )
@@ -122,15 +121,10 @@ def main() -> None:
                          "(root, or sysctl kernel.perf_event_paranoid=-1); run without it")
     root = Path(tempfile.mkdtemp(prefix="nbtrain-anatomy-"))
     trace = SchedTrace(root / "sched.data") if args.sched else None
-    with nbtrain.connect(n_workers=2, settings=nbtrain.Settings.load(
-            checkpoint_root=str(root / "checkpoints"), hang_floor_s=HANG_FLOOR_S)) as cluster:
-        cluster.submit(hf_trainer_train, world_size=2, steps=20, checkpoint=None,  # imports
-                       config={"work_dir": str(root / "warm"), "n_embd": N_EMBD}
-                       ).result(timeout=600)
+    with connect_warm(root) as cluster:
         schedule, ours, peer = race_in_turns(
             "torchrun-hf", start_probed(cluster, trace), "_hf_torchrun_peer.py",
-            ["--steps", "1000000", "--work", str(root / "peer"), "--n-embd", str(N_EMBD),
-             "--probe"], args.turns, args.turn_s)
+            [*hf_peer_args(root), "--probe"], args.turns, args.turn_s)
     if schedule is None or ours is None or peer.value is None:
         print(json.dumps({"ratio": None, "peer_failed": list(peer.errors)}))
         return
