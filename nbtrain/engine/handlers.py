@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import secrets
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from nbtrain.config import CLIENT_ONLY, Settings
@@ -51,8 +51,10 @@ __all__ = ["install"]
 REQUESTS = REQUEST_KINDS
 #: Largest argument of a request (as JSON): a knob change or detector settings.
 REQUEST_ARG_MAX_BYTES = 64 << 10
-#: After the first news, a follower waits this long so rows of all ranks come in one reply.
+#: After the first news, a follower waits this long so rows of all ranks come in one reply...
 FOLLOW_BATCH_S = 0.02
+#: ... and this long when only step rows or output lines are new (``_settle``).
+FOLLOW_ROWS_S = 0.25
 #: The most jobs one follow call may ask about, and rows it may get per job.
 FOLLOW_JOBS_MAX = 1_000
 FOLLOW_ROWS_MAX = 20_000
@@ -239,13 +241,37 @@ def apply_request(ctl: ControllerPort, job_id: str, what: str, arg: Any = None
     return after
 
 
+async def _settle(ctl: ControllerPort, cursors: Mapping[str, Sequence[int]],
+                  deadline: float) -> None:
+    """A follow call has news: wait ``FOLLOW_BATCH_S`` so that the other ranks' rows come
+    in the same reply. With only step rows or output lines new, wait on until
+    ``FOLLOW_ROWS_S`` after the news, so that a running job's followers are answered a few
+    times a second, not once per rank message; an event (a state change, an alert, a
+    checkpoint) or a job gone ends that wait at once. Never past ``deadline``."""
+    loop = asyncio.get_running_loop()
+    until = min(deadline, loop.time() + FOLLOW_ROWS_S)
+    await asyncio.sleep(max(0.0, min(FOLLOW_BATCH_S, until - loop.time())))
+    while not _event_news(ctl, cursors) and (left := until - loop.time()) > 0:
+        try:
+            await asyncio.wait_for(ctl.news.wait(), left)
+        except TimeoutError:
+            return
+
+
+def _event_news(ctl: ControllerPort, cursors: Mapping[str, Sequence[int]]) -> bool:
+    """Whether a followed job has events past its cursor, or is gone."""
+    return any(jid not in ctl.assets or ctl.assets[jid].log.events.end > c[1]
+               for jid, c in cursors.items())
+
+
 async def follow(ctl: ControllerPort, *, cursors: Mapping[str, list[int]],
                  timeout: float = 2.0, max_rows: int = FOLLOW_ROWS_MAX, token: str = "",
                  tokens: Mapping[str, str] | None = None) -> dict[str, Any]:
     """New rows, events and output lines of the followed jobs (cursors: positions of the
     next row, event and line; a negative row cursor -n: the newest n rows), and their
     status. Returns as soon as any has news (after a short pause that batches what arrives
-    together), or after ``timeout`` seconds with the statuses alone.
+    together: ``FOLLOW_ROWS_S`` when only rows or output lines are new, see ``_settle``), or
+    after ``timeout`` seconds with the statuses alone.
 
     ``tokens``: the caller's token per job, ``token`` its operator token: what it may read
     of each job (:mod:`nbtrain.engine.access`); ``refused`` in a job's reply names what it
@@ -271,7 +297,8 @@ async def follow(ctl: ControllerPort, *, cursors: Mapping[str, list[int]],
             await asyncio.wait_for(waiter.wait(), remaining)
         except TimeoutError:
             continue
-        await asyncio.sleep(FOLLOW_BATCH_S)  # let rows from the other ranks arrive with these
+    if news:
+        await _settle(ctl, cursors, deadline)
     out: dict[str, Any] = {}
     for jid, cursor in cursors.items():
         assets = ctl.assets.get(jid)

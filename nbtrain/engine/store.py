@@ -12,11 +12,12 @@ small notes by key (:meth:`ControllerStore.put_note`: the cluster's goodput seri
 
 One writer thread owns the write connection: callers on the scheduler's event loop only
 enqueue (never wait on disk); the thread commits whatever has queued in one transaction
-(``synchronous=FULL``: durable at commit). :meth:`ControllerStore.barrier` returns a future
-done once everything enqueued before it is committed: a handler awaits it before it
-acknowledges a decision ("recorded before acknowledged"). Reads use their own connections
-(WAL lets them run beside the writer); call them from a thread (``asyncio.to_thread``),
-or at start-up. The store never unpickles anything.
+(``synchronous=FULL``: durable at commit), and step rows and output lines at most every
+``GATHER_S`` (a commit per message would cost a running job's controller an fsync each).
+:meth:`ControllerStore.barrier` returns a future done once everything enqueued before it is
+committed: a handler awaits it before it acknowledges a decision ("recorded before
+acknowledged"). Reads use their own connections (WAL lets them run beside the writer); call
+them from a thread (``asyncio.to_thread``), or at start-up. The store never unpickles anything.
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ _NOTE = "note:"
 
 #: The per-job history tables (the same positions as a ``JobLog``'s tails).
 HISTORY = ("events", "rows", "output")
+#: History written lazily (see ``ControllerStore._gather``): what a running job sends often.
+_LAZY = ("rows", "output")
+#: How long the writer waits for more of the lazy history before it commits (seconds).
+GATHER_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -247,14 +252,7 @@ class ControllerStore:
     # ================================================================== the writer thread
     def _writer(self) -> None:
         while True:
-            first = self._queue.get()
-            batch = [first]
-            # Whatever queued meanwhile joins the same transaction (one fsync for all).
-            while len(batch) < 5_000:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
+            batch = self._gather([self._queue.get()])
             # Barriers are answered whatever happens to the batch: a handler waiting on one
             # must never wait forever.
             barriers = [item[1] for item in batch if item is not None and item[0] == "barrier"]
@@ -268,6 +266,26 @@ class ControllerStore:
             if None in batch:
                 self._conn.close()
                 return
+
+    def _gather(self, batch: list[Any]) -> list[Any]:
+        """``batch`` and whatever queued meanwhile, for one transaction (one fsync for all).
+        While the batch holds only step rows and output lines (a running job sends them
+        several times a second), it waits up to ``GATHER_S`` for more: a commit per
+        ``GATHER_S`` instead of one per message. Anything else (a status, an event, a
+        barrier, the close) ends the wait at once, and everything before it is committed
+        with it, in order."""
+        deadline = time.monotonic() + GATHER_S
+        urgent = False
+        while len(batch) < 5_000:
+            item = batch[-1]
+            urgent = urgent or item is None or item[0] != "history" or item[1] not in _LAZY
+            left = 0.0 if urgent else deadline - time.monotonic()
+            try:
+                batch.append(self._queue.get(timeout=left) if left > 0
+                             else self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return batch
 
     def _commit(self, writes: list[tuple[Any, ...]]) -> None:
         """One transaction of ``writes``; a failure is logged and counted, never raised (the
