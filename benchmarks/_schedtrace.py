@@ -22,13 +22,21 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["SchedTrace", "Slice", "available", "cpu_by_role", "parse_timehist"]
+__all__ = ["Preemption", "SchedTrace", "Slice", "available", "cpu_by_role", "parse_preemptions",
+           "parse_timehist", "preemptors"]
 
 #: One ``perf sched timehist`` line: time, [cpu], comm[tid/pid] (or comm[tid] for a
 #: process's main thread and kernel threads), wait, scheduling delay, run time (ms).
 _LINE = re.compile(r"\s*(?P<t>\d+\.\d+)\s+\[(?P<cpu>\d+)\]\s+(?P<comm>.*?)"
                    r"\[(?P<tid>\d+)(?:/(?P<pid>\d+))?\]\s+(?P<wait>\d+\.\d+)\s+"
                    r"(?P<delay>\d+\.\d+)\s+(?P<run>\d+\.\d+)\s*$")
+
+
+#: One ``perf script`` line of a ``sched:sched_switch`` event.
+_SWITCH = re.compile(r"\[(?P<cpu>\d+)\]\s+(?P<t>\d+\.\d+):\s+sched:sched_switch:\s+"
+                     r"prev_comm=(?P<comm>.*?) prev_pid=(?P<tid>\d+) prev_prio=\d+ "
+                     r"prev_state=(?P<state>\S+) ==> next_comm=(?P<by_comm>.*?) "
+                     r"next_pid=(?P<by_tid>\d+) next_prio=\d+\s*$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +60,52 @@ def parse_timehist(text: str) -> list[Slice]:
         out.append(Slice(float(m["t"]), int(m["cpu"]), m["comm"].strip(), tid,
                          int(m["pid"]) if m["pid"] else tid, float(m["run"])))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Preemption:
+    """A thread taken off its core while it could still run, and the thread given the core."""
+    time: float  # monotonic seconds
+    cpu: int
+    tid: int
+    comm: str
+    by_tid: int
+    by_comm: str
+
+
+def parse_preemptions(text: str) -> list[Preemption]:
+    """The preemptions in ``perf script`` output: the ``sched_switch`` events whose previous
+    thread (not the idle task) left the core runnable (state ``R`` or ``R+``)."""
+    out = []
+    for line in text.splitlines():
+        m = _SWITCH.search(line)
+        if m is None or not m["state"].startswith("R") or m["tid"] == "0":
+            continue
+        out.append(Preemption(float(m["t"]), int(m["cpu"]), int(m["tid"]), m["comm"].strip(),
+                              int(m["by_tid"]), m["by_comm"].strip()))
+    return out
+
+
+def preemptors(preemptions: Iterable[Preemption], windows: Sequence[tuple[float, float]],
+               victims: Iterable[int], pid_of: Mapping[int, int], roles: Mapping[int, str],
+               top: int = 8) -> dict[str, float]:
+    """Who preempted the threads of the ``victims`` processes inside ``windows``: per second
+    of window, by ``"victim thread <- preemptor's role: preemptor thread"``, the ``top`` most
+    frequent (``pid_of`` maps a thread id to its process id; roles as in ``cpu_by_role``)."""
+    seconds = sum(hi - lo for lo, hi in windows)
+    if seconds <= 0:
+        return {}
+    victim_pids = set(victims)
+    counts: dict[str, int] = {}
+    for p in preemptions:
+        if (pid_of.get(p.tid) not in victim_pids
+                or not any(lo <= p.time < hi for lo, hi in windows)):
+            continue
+        role = roles.get(pid_of.get(p.by_tid, p.by_tid), "other")
+        key = f"{p.comm} <- {role}: {p.by_comm}"
+        counts[key] = counts.get(key, 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
+    return {key: round(n / seconds, 1) for key, n in ranked}
 
 
 def cpu_by_role(slices: Iterable[Slice], windows: Sequence[tuple[float, float]],
@@ -131,3 +185,11 @@ class SchedTrace:
         done = subprocess.run(["perf", "sched", "timehist", "-i", str(self.path)],
                               capture_output=True, text=True, timeout=timeout)
         return parse_timehist(done.stdout)
+
+    def preemptions(self, timeout: float = 120.0) -> list[Preemption]:
+        """The newest recording's preemptions (call after ``slices``; empty if it failed)."""
+        if self.error is not None or not self.path.exists():
+            return []
+        done = subprocess.run(["perf", "script", "-i", str(self.path)],
+                              capture_output=True, text=True, timeout=timeout)
+        return parse_preemptions(done.stdout)

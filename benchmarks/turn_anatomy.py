@@ -17,7 +17,8 @@ Usage: ``python benchmarks/turn_anatomy.py [--turns N] [--turn-s S] [--sched]``;
 minutes at the default 25 turns of 2 s. Last stdout line: JSON with ``ratio`` (nbtrain's
 steps/s over torchrun's), ``cpu_ms_per_step_ratio`` (nbtrain's training-thread CPU per step
 over torchrun's), ``{ours,peer}_{wall_ms,cpu_ms,voluntary,involuntary}_per_step`` and, with
-``--sched``, ``sched_ms_per_s`` (``ours_turns`` and ``peer_turns``, each by role).
+``--sched``, ``sched_ms_per_s`` (``ours_turns`` and ``peer_turns``, each by role) and
+``preempted_per_s``: in each member's turns, how often its threads were preempted, by whom.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _schedtrace import SchedTrace, available, cpu_by_role
+from _schedtrace import SchedTrace, available, cpu_by_role, preemptors
 from _turns import Turns
 from frameworks import (
     SKIP_S,
@@ -96,8 +97,10 @@ def sched_figures(trace: SchedTrace, turns: Turns, ours: dict[str, Any],
     slices = trace.slices()
     if not slices:
         return {"sched_error": trace.error or "the trace is empty"}
+    switches = trace.preemptions()
+    pid_of = {s.tid: s.pid for s in slices}
     shift = time.monotonic() - time.time()  # wall clock to monotonic, as the trace keeps it
-    out = {}
+    out, preempted = {}, {}
     for me, label in ((0, "ours_turns"), (1, "peer_turns")):
         running, sleeping = (ours, peer) if me == 0 else (peer, ours)
         roles = {**{pid: "running member" for pid in running["pids"]},
@@ -106,7 +109,8 @@ def sched_figures(trace: SchedTrace, turns: Turns, ours: dict[str, Any],
         spans = [(turns.start(k) + SKIP_S + shift, turns.start(k + 1) + shift)
                  for k in (c * turns.members + me for c in traced_cycles(turns))]
         out[label] = cpu_by_role(slices, spans, roles, cores=2)
-    return {"sched_ms_per_s": out}
+        preempted[label] = preemptors(switches, spans, running["pids"], pid_of, roles)
+    return {"sched_ms_per_s": out, "preempted_per_s": preempted}
 
 
 def main() -> None:
@@ -137,6 +141,9 @@ def main() -> None:
           f"{figures.get('peer_involuntary_per_step')}", flush=True)
     for label, roles in figures.get("sched_ms_per_s", {}).items():
         print(f"  {label}: " + ", ".join(f"{role} {ms} ms/s" for role, ms in roles.items()))
+    for label, who in figures.get("preempted_per_s", {}).items():
+        print(f"  {label}, the running member's threads preempted (per s): "
+              + "; ".join(f"{key} {n}" for key, n in who.items()))
     print(json.dumps({**figures, "turns": args.turns, "turn_s": args.turn_s}), flush=True)
 
 

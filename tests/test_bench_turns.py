@@ -114,3 +114,40 @@ def test_cpu_by_role_counts_slices_that_end_inside_the_windows() -> None:
     assert got["other"] == round(1.0 / seconds, 1)
     assert got["idle"] == round(2000 - 4.0 / seconds, 1)
     assert sched.cpu_by_role(slices, [], {}, cores=2) == {}
+
+
+def _switch(t: float, cpu: int, prev: str, tid: int, state: str, nxt: str, by: int) -> str:
+    """One ``perf script`` line of a ``sched_switch``, as perf prints it."""
+    return (f"{prev:>16} {tid:5d} [{cpu:03d}] {t:12.6f}:       sched:sched_switch: "
+            f"prev_comm={prev} prev_pid={tid} prev_prio=120 prev_state={state} ==> "
+            f"next_comm={nxt} next_pid={by} next_prio=120")
+
+
+SCRIPT = "\n".join([
+    _switch(10.1, 0, "python", 8606, "R", "python", 8621),
+    _switch(10.2, 0, "python", 8621, "S", "python", 8606),
+    _switch(10.3, 1, "gloo_tcp_loop", 8646, "R+", "kworker/0:1-mm", 28672),
+    _switch(10.4, 1, "swapper/1", 0, "R", "python", 8606),
+    "          python  8606 [000]    10.500000:     sched:sched_wakeup: comm=python "
+    "pid=8621 prio=120 target_cpu=000",
+    _switch(11.9, 0, "python", 8606, "R", "python", 8621)])
+
+
+def test_preemptions_are_switches_away_from_a_runnable_thread() -> None:
+    got = sched.parse_preemptions(SCRIPT)
+    # Sleeping (S) is no preemption, the idle task is not preempted, wake-ups are skipped.
+    assert [(p.time, p.cpu, p.tid, p.comm, p.by_tid, p.by_comm) for p in got] == [
+        (10.1, 0, 8606, "python", 8621, "python"),
+        (10.3, 1, 8646, "gloo_tcp_loop", 28672, "kworker/0:1-mm"),
+        (11.9, 0, 8606, "python", 8621, "python")]
+
+
+def test_preemptors_count_who_took_the_victims_cores_inside_the_windows() -> None:
+    found = sched.parse_preemptions(SCRIPT)
+    pid_of = {8606: 8606, 8646: 8606, 8621: 8600, 28672: 28672}
+    got = sched.preemptors(found, [(10.0, 10.5)], [8606], pid_of,
+                           {8606: "rank", 8600: "ctl"})
+    # Two in the half-second window (the one at 11.9 is outside), per second.
+    assert got == {"python <- ctl: python": 2.0, "gloo_tcp_loop <- other: kworker/0:1-mm": 2.0}
+    assert sched.preemptors(found, [(10.0, 10.5)], [8600], pid_of, {}) == {}
+    assert sched.preemptors(found, [], [8606], pid_of, {}) == {}
