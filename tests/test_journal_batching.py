@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from nbtrain.engine import handlers
+from nbtrain.engine import store as store_mod
 from nbtrain.engine.joblog import JobLog
 from nbtrain.engine.store import GATHER_S, ControllerStore
 
@@ -43,23 +44,27 @@ def test_rows_sent_over_a_gather_window_take_a_commit_or_two(tmp_path: Path) -> 
     store.close()
 
 
-def test_a_status_or_barrier_ends_the_wait_and_takes_the_rows_before_it(
-        tmp_path: Path) -> None:
+def test_a_status_ends_the_wait_and_takes_the_rows_before_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(store_mod, "GATHER_S", 120.0)  # rows alone would wait two minutes
     store = ControllerStore(tmp_path / "state")
     store.add_job(job_id="j1", name="n", submission={}, recipe=b"", settings={},
                   checkpoint_url="", restore=None, token_hash="0" * 64, trackers=None,
                   status={"state": "QUEUED"})
     store.barrier().result(30)
-    before = store.commits
     store.add_history("rows", "j1", 0, [_row(0), _row(1)])
     store.add_history("output", "j1", 0, [{"rank": 0, "text": "hello"}])
-    store.put_status("j1", {"state": "RUNNING"}, None)
-    done = store.barrier()
-    done.result(30)
+    store.put_status("j1", {"state": "RUNNING"}, None)  # no barrier: the status alone
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        job = store.job("j1")
+        if job is not None and job.state == "RUNNING":
+            break
+        time.sleep(0.05)
     job = store.job("j1")
     assert job is not None and job.state == "RUNNING"
+    # committed with the status (or before it), never after
     assert store.ends("j1") == {"events": 0, "rows": 2, "output": 1}
-    assert store.commits - before <= 2  # the rows with the status (the barrier may be apart)
     store.close()
 
 
@@ -133,3 +138,36 @@ def test_a_follower_is_answered_by_its_deadline_or_a_job_gone(
         await asyncio.wait_for(settle, 30)
 
     asyncio.run(run())
+
+
+class _JournalPort:
+    """The two things ``handlers._older_from_store`` uses of the controller."""
+
+    def __init__(self, store: ControllerStore) -> None:
+        self.store = store
+
+    async def journaled(self) -> bool:
+        await asyncio.wrap_future(self.store.barrier())
+        return True
+
+
+def test_rows_older_than_memory_are_read_once_the_gathered_ones_are_committed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(store_mod, "GATHER_S", 120.0)  # the newest rows stay gathering
+    store = ControllerStore(tmp_path / "state")
+    log = JobLog(rows_kept=10, sink=lambda t, at, items: store.add_history(t, "j1", at, items))
+    for step in range(40):
+        log.add_rows(0, 0, [_row(step)[2:]])
+    assert log.rows.base > 0  # memory dropped the oldest rows
+
+    async def run() -> dict[str, Any]:
+        update = log.since(0, 0, 1_000)
+        await handlers._older_from_store(
+            _JournalPort(store), "j1", log, update,  # type: ignore[arg-type]
+            {"rows": 0, "events": 0, "output": 0}, 1_000)
+        return update
+
+    update = asyncio.run(run())
+    assert update["rows_at"] == 0
+    assert [row[2] for row in update["rows"]] == list(range(log.rows.base))
+    store.close()

@@ -416,12 +416,14 @@ async def _older_from_store(ctl: ControllerPort, job_id: str, log: JobLog,
                             update: dict[str, Any], cursors: Mapping[str, int],
                             max_rows: int) -> None:
     """Positions a follower asks for that memory no longer holds come from the journal
-    (read on a thread: the loop never waits on the disk)."""
+    (read on a thread: the loop never waits on the disk), once everything added so far is
+    committed: the writer may still be gathering the newest rows (``store.GATHER_S``)."""
     tails = {"rows": log.rows, "events": log.events, "output": log.output}
-    for table, tail in tails.items():
+    older = {table: tail for table, tail in tails.items() if int(cursors[table]) < tail.base}
+    if older:
+        await ctl.journaled()
+    for table, tail in older.items():
         start = int(cursors[table])
-        if start >= tail.base:
-            continue
         limit = min(tail.base - start, max_rows if table == "rows" else 10_000)
         at, items = await asyncio.to_thread(ctl.store.history, table, job_id, start, limit)
         if items:
