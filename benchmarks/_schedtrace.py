@@ -62,6 +62,11 @@ def parse_timehist(text: str) -> list[Slice]:
     return out
 
 
+def _inside(t: float, windows: Sequence[tuple[float, float]]) -> bool:
+    """Whether monotonic time ``t`` lies in one of the ``windows`` (``[lo, hi)``)."""
+    return any(lo <= t < hi for lo, hi in windows)
+
+
 @dataclasses.dataclass(frozen=True)
 class Preemption:
     """A thread taken off its core while it could still run, and the thread given the core."""
@@ -98,8 +103,7 @@ def preemptors(preemptions: Iterable[Preemption], windows: Sequence[tuple[float,
     victim_pids = set(victims)
     counts: dict[str, int] = {}
     for p in preemptions:
-        if (pid_of.get(p.tid) not in victim_pids
-                or not any(lo <= p.time < hi for lo, hi in windows)):
+        if pid_of.get(p.tid) not in victim_pids or not _inside(p.time, windows):
             continue
         role = roles.get(pid_of.get(p.by_tid, p.by_tid), "other")
         key = f"{p.comm} <- {role}: {p.by_comm}"
@@ -119,7 +123,7 @@ def cpu_by_role(slices: Iterable[Slice], windows: Sequence[tuple[float, float]],
     used: dict[str, float] = {role: 0.0 for role in roles.values()}
     used["other"] = 0.0
     for s in slices:
-        if s.pid == 0 or not any(lo <= s.end < hi for lo, hi in windows):
+        if s.pid == 0 or not _inside(s.end, windows):
             continue
         role = roles.get(s.pid, "other")
         used[role] += s.run_ms

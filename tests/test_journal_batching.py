@@ -18,6 +18,7 @@ from nbtrain.engine import handlers
 from nbtrain.engine import store as store_mod
 from nbtrain.engine.joblog import JobLog
 from nbtrain.engine.store import GATHER_S, ControllerStore
+from tests.conftest import wait_for
 
 
 def _row(step: int) -> list[Any]:
@@ -34,9 +35,7 @@ def test_rows_sent_over_a_gather_window_take_a_commit_or_two(tmp_path: Path) -> 
         store.add_history("rows", "j1", step, [_row(step)])
         time.sleep(0.0125)
     # No barrier: the rows are committed by the writer's own gather, within its window.
-    deadline = time.monotonic() + 30
-    while store.ends("j1")["rows"] < messages and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: store.ends("j1")["rows"] >= messages, 30, "the gathered rows")
     assert store.ends("j1")["rows"] == messages
     # A commit per message would be 20; a commit per window is 1-2 (a few more when the
     # machine stalls this thread between messages).
@@ -55,12 +54,8 @@ def test_a_status_ends_the_wait_and_takes_the_rows_before_it(
     store.add_history("rows", "j1", 0, [_row(0), _row(1)])
     store.add_history("output", "j1", 0, [{"rank": 0, "text": "hello"}])
     store.put_status("j1", {"state": "RUNNING"}, None)  # no barrier: the status alone
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        job = store.job("j1")
-        if job is not None and job.state == "RUNNING":
-            break
-        time.sleep(0.05)
+    wait_for(lambda: getattr(store.job("j1"), "state", None) == "RUNNING", 60,
+             "the status, which ends the writer's wait")
     job = store.job("j1")
     assert job is not None and job.state == "RUNNING"
     # committed with the status (or before it), never after

@@ -252,7 +252,7 @@ class ControllerStore:
     # ================================================================== the writer thread
     def _writer(self) -> None:
         while True:
-            batch = self._gather([self._queue.get()])
+            batch = self._gather(self._queue.get())
             # Barriers are answered whatever happens to the batch: a handler waiting on one
             # must never wait forever.
             barriers = [item[1] for item in batch if item is not None and item[0] == "barrier"]
@@ -267,13 +267,14 @@ class ControllerStore:
                 self._conn.close()
                 return
 
-    def _gather(self, batch: list[Any]) -> list[Any]:
-        """``batch`` and whatever queued meanwhile, for one transaction (one fsync for all).
+    def _gather(self, first: Any) -> list[Any]:
+        """``first`` and whatever queued meanwhile, for one transaction (one fsync for all).
         While the batch holds only step rows and output lines (a running job sends them
         several times a second), it waits up to ``GATHER_S`` for more: a commit per
         ``GATHER_S`` instead of one per message. Anything else (a status, an event, a
         barrier, the close) ends the wait at once, and everything before it is committed
         with it, in order."""
+        batch = [first]
         deadline = time.monotonic() + GATHER_S
         urgent = False
         while len(batch) < 5_000:
