@@ -84,6 +84,12 @@ class Settings:
     #: and on every worker glibc's malloc set to reuse blocks up to 32 MB, which Dask's
     #: ``MALLOC_TRIM_THRESHOLD_`` turns off (``nbtrain.engine.workers.tune_malloc``).
     quiet_workers: bool = True
+    #: Each worker process that has a nanny moves into a session (and process group) of its
+    #: own (``nbtrain.engine.workers.own_session``): a notebook's interrupt, which Jupyter
+    #: sends to the kernel's whole process group, then no longer kills the embedded
+    #: cluster's workers, and Linux's autogroup scheduler stops weighing the ranks together
+    #: with the notebook's process.
+    worker_sessions: bool = True
     #: Text progress lines at most this often (seconds).
     progress_interval_s: float = 2.0
     #: Where checkpoints go: a local directory (relative to the notebook's working directory)

@@ -631,7 +631,8 @@ def connect(address: str | Client | DaskCluster | None = None, *, n_workers: int
             state_dir=tempfile.mkdtemp(prefix="nbtrain-state-"))
     client.register_plugin(ClusterController(  # the token stays here; its hash goes there
         controller_settings, operator_hash=token_hash(token) if token else ""))
-    client.register_plugin(NbtrainWorker(quiet=settings.quiet_workers))
+    client.register_plugin(NbtrainWorker(quiet=settings.quiet_workers,
+                                         sessions=settings.worker_sessions))
     try:  # SIGTERM as a retirement; nannies of an older nbtrain cannot load it: go on
         client.register_plugin(NbtrainNanny())
     except Exception as exc:
