@@ -11,6 +11,8 @@ jupyter_client as JupyterLab does it.
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import queue
 import subprocess
 import sys
@@ -94,24 +96,27 @@ def test_an_interrupted_cell_leaves_the_workers_and_the_running_job_alone(
     assert len(before["workers"]) == 2
     assert before["kernel_sid"] not in before["sids"], "workers in the kernel's session"
 
-    cell = kc.execute("time.sleep(600)")  # a cell the user interrupts
+    # A cell the user interrupts while it waits for the job. Interrupted only once it
+    # printed: ipykernel announces a cell (execute_input) before IPython runs it, and a
+    # SIGINT in between is swallowed by the kernel with no reply.
+    cell = kc.execute('print("waiting", flush=True); job.wait(600)')
 
-    def started() -> bool:
+    def waiting() -> bool:
         try:
             msg = kc.get_iopub_msg(timeout=1)
         except queue.Empty:
             return False
-        return bool(msg["msg_type"] == "execute_input"
+        return bool(msg["msg_type"] == "stream" and "waiting" in msg["content"]["text"]
                     and msg["parent_header"].get("msg_id") == cell)
 
-    wait_for(started, timeout=60, what="the cell to start")
+    wait_for(waiting, timeout=60, what="the cell to wait for the job")
     km.interrupt_kernel()  # SIGINT to the kernel's process group, as JupyterLab sends it
     reply = kc.get_shell_msg(timeout=60)["content"]
     assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", reply
 
     # The job trains on in the same workers, with no restart.
     content, printed = run_cell(kc, textwrap.dedent("""
-        step0 = job.step
+        step0 = job.step  # after the interrupt
         deadline = time.monotonic() + 120
         while job.step < step0 + 20 and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -123,11 +128,18 @@ def test_an_interrupted_cell_leaves_the_workers_and_the_running_job_alone(
     assert after["status"] == "RUNNING" and after["restarts"] == 0, after
     assert after["step"] >= before["step"] + 20, (before, after)
 
-    # Workers in their own sessions still end with the kernel (Dask watches their parent).
+    # Workers in their own sessions still end with the kernel, which kills only its own
+    # process group now: Dask's worker processes watch a pipe from their nanny.
     km.shutdown_kernel(now=True)
-    wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status()
-                             != psutil.STATUS_ZOMBIE for p in before["pids"]),
-             timeout=60, what="the workers to exit after the kernel was killed")
+    wait_for(lambda: all(map(gone, before["pids"])), timeout=60,
+             what="the workers to exit after the kernel was killed")
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def test_own_session_moves_a_child_out_of_its_group_but_not_a_group_leader() -> None:
@@ -140,3 +152,32 @@ def test_own_session_moves_a_child_out_of_its_group_but_not_a_group_leader() -> 
     leader = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True, start_new_session=True)
     assert leader.stdout.split() == ["False", "False", "True"], leader.stdout
+
+
+def _setup_in_child(nanny: str | None, moved: Any) -> None:
+    from types import SimpleNamespace
+
+    from nbtrain.engine.workers import NbtrainWorker
+
+    before = os.getsid(0)
+    NbtrainWorker(quiet=False, warm_up=False).setup(SimpleNamespace(nanny=nanny))
+    moved.put(os.getsid(0) != before)
+
+
+def test_the_plugin_moves_only_a_process_a_nanny_started() -> None:
+    """A worker's nanny starts it with multiprocessing; setting the plugin up anywhere else
+    (a test, a ``--no-nanny`` worker) leaves the process's session alone."""
+    from types import SimpleNamespace
+
+    from nbtrain.engine.workers import NbtrainWorker
+
+    ctx = multiprocessing.get_context("spawn")
+    for nanny, expected in (("tcp://127.0.0.1:1", True), (None, False)):
+        moved = ctx.Queue()
+        child = ctx.Process(target=_setup_in_child, args=(nanny, moved))
+        child.start()
+        assert moved.get(timeout=120) is expected, nanny
+        child.join(60)
+    mine = os.getsid(0)
+    NbtrainWorker(quiet=False, warm_up=False).setup(SimpleNamespace(nanny="tcp://127.0.0.1:1"))
+    assert os.getsid(0) == mine

@@ -111,7 +111,7 @@ class StandaloneCluster:
             return worker.start(self._files)
 
     def remove_workers(self, name: str) -> None:
-        """SIGKILL the ``dask worker`` named ``name`` (and its worker processes) and stop
+        """SIGKILL the ``dask worker`` named ``name`` (its worker processes exit with it) and stop
         supervising it: workers that never come back (a fault for tests and benchmarks)."""
         with self._lock:
             gone = [w for w in self.workers if w.name == f"worker-{name}"]
@@ -165,7 +165,8 @@ class StandaloneCluster:
                     continue
                 del due[p.name]
                 assert p.proc is not None
-                _kill_group(p.proc)  # children left behind (a worker's nanny's processes)
+                _kill_group(p.proc)  # children left in its group (a worker process, in a session
+                # of its own since nbtrain's plugin set it up, exits with its nanny)
                 with self._lock:
                     p.start(self._files)
                 self.history.append((time.monotonic(), p.name, "started"))
@@ -195,7 +196,8 @@ class StandaloneCluster:
                 os.killpg(proc.pid, signal.SIGTERM)
         # The whole cluster ends: a worker's first SIGTERM is a departure for nbtrain's
         # nanny plugin (it retires through the scheduler, which is ending too); the second
-        # is Dask's own, which closes it at once.
+        # is Dask's own, which closes it (its worker process, in a session of its own,
+        # is stopped by its nanny, or exits when the nanny is gone).
         time.sleep(0.1)
         for proc in procs[1:]:
             with contextlib.suppress(ProcessLookupError):

@@ -110,7 +110,8 @@ class NbtrainWorker(WorkerPlugin):
         self.sessions = sessions
 
     def setup(self, worker: Any) -> None:
-        if self.sessions and getattr(worker, "nanny", None) is not None:
+        # A plugin pickled by an older nbtrain has no ``sessions``: the default then.
+        if getattr(self, "sessions", True) and _spawned_by_nanny(worker):
             own_session()
         if self.quiet:
             quiet(worker)
@@ -178,6 +179,16 @@ def quiet(worker: Any) -> None:
             pc.callback_time = ms
 
 
+def _spawned_by_nanny(worker: Any) -> bool:
+    """Whether ``worker`` runs in a process its nanny started (Dask's nannies start workers
+    with ``multiprocessing``): not a ``--no-nanny`` worker, and not a test calling ``setup``
+    in its own process."""
+    import multiprocessing
+
+    return (isinstance(getattr(worker, "nanny", None), str)
+            and multiprocessing.parent_process() is not None)
+
+
 def own_session() -> bool:
     """Move this process into a new session and process group (POSIX ``setsid``); returns
     whether it did. Called in a worker process that has a nanny, so that:
@@ -192,14 +203,16 @@ def own_session() -> bool:
     - Linux's autogroup scheduler (``kernel.sched_autogroup_enabled``, on by default) shares
       the cores out between sessions first, then between the threads of each. In the
       notebook's session the ranks' threads were weighed together with the embedded
-      scheduler's and the notebook's; in sessions of their own they get the cores as a
-      ``torchrun`` rank does (torchrun's launcher is a session of its own when started from
-      a notebook or a benchmark). Measured on a 2-core machine, an HF ``Trainer`` as two
-      plain Dask tasks against the same under torchrun, in turns: 0.95, 0.93 and 0.95 of
-      torchrun's step rate in the notebook's session, 0.99, 1.02 and 0.95 in their own.
+      scheduler's and the notebook's; outside it they get the cores as a ``torchrun``
+      launch's ranks do (a launch started from a notebook or a benchmark is a session of its
+      own; its ranks share that one session, while each worker here has its own).
+      Measured on a 2-core machine, an HF ``Trainer`` as two plain Dask tasks against the
+      same under torchrun, in turns: 0.95, 0.93 and 0.95 of torchrun's step rate in the
+      notebook's session, 0.99, 1.02 and 0.95 in their own.
 
-    A process that already leads a session or a process group (``dask worker --no-nanny``
-    started by a shell) is left as it is: it is what Ctrl-C in that shell should stop.
+    A process that already leads a process group (one started by a shell, or one this
+    already moved) is left as it is. A worker that a cell interrupts before nbtrain's worker
+    plugin is set up on it (while ``connect()`` starts the cluster) still gets the signal.
     """
     if not hasattr(os, "setsid"):
         return False
