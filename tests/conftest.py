@@ -8,6 +8,7 @@ from pathlib import Path
 from types import ModuleType
 
 import cloudpickle
+import psutil
 import pytest
 
 import nbtrain
@@ -51,6 +52,14 @@ def wait_for(cond: Callable[[], object], timeout: float = 60.0, what: str = "con
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.02)
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (gone, or a zombie its parent has not reaped)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 @pytest.fixture(scope="session")

@@ -12,10 +12,9 @@ import textwrap
 from pathlib import Path
 from types import ModuleType
 
-import psutil
 import pytest
 
-from tests.conftest import wait_for
+from tests.conftest import process_gone, wait_for
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -56,13 +55,6 @@ ORPHAN = textwrap.dedent("""
                          start_new_session=True)
     Path(sys.argv[1]).write_text(str(p.pid))
 """)
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def test_a_peer_failing_once_is_retried_and_succeeds(tmp_path: Path) -> None:
@@ -138,7 +130,7 @@ def test_a_failed_attempts_processes_are_killed(tmp_path: Path) -> None:
     assert result.failed and result.error == "RuntimeError: the peer's first step never came"
     assert sorted(pids) == ["orphan-1", "orphan-2", "sleeper-1", "sleeper-2"]
     for name, pid in pids.items():
-        wait_for(lambda pid=pid: _gone(pid), 15, f"{name} ({pid}) killed")
+        wait_for(lambda pid=pid: process_gone(pid), 15, f"{name} ({pid}) killed")
 
 
 def test_failures_injected_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,10 +21,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
-from tests.conftest import wait_for
+from tests.conftest import process_gone, wait_for
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -131,15 +130,8 @@ def test_an_interrupted_cell_leaves_the_workers_and_the_running_job_alone(
     # Workers in their own sessions still end with the kernel, which kills only its own
     # process group now: Dask's worker processes watch a pipe from their nanny.
     km.shutdown_kernel(now=True)
-    wait_for(lambda: all(map(gone, before["pids"])), timeout=60,
+    wait_for(lambda: all(map(process_gone, before["pids"])), timeout=60,
              what="the workers to exit after the kernel was killed")
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def test_own_session_moves_a_child_out_of_its_group_but_not_a_group_leader() -> None:
