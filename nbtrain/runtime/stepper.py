@@ -32,10 +32,41 @@ from nbtrain.runtime.knobs import RankKnobs
 from nbtrain.runtime.noiseprobe import NoiseProbe
 from nbtrain.runtime.timing import PhaseTimer
 
-__all__ = ["KILL_NOTICE_S", "Stepper"]
+__all__ = ["KILL_NOTICE_S", "StepPace", "Stepper"]
 
 #: Seconds between announcing an injected kill and doing it (so the event leaves first).
 KILL_NOTICE_S = 0.2
+
+
+class StepPace:
+    """A rank's running mean step time, which spaces the control agreements about
+    ``interval_s`` of training apart (``steps_between``).
+
+    A step longer than ``clamp`` times the mean (a checkpoint save, an evaluation, a pause
+    in the user's code) counts as a step ``clamp`` times the mean: with a plain mean, one
+    2 s pause among 25 ms steps made the ranks agree at every step for the next ten steps,
+    and every other or third step for ten more. A lasting slowdown still comes through: the
+    mean grows by up to ``1 + weight * (clamp - 1)`` (1.3 at the defaults) a step.
+    """
+
+    __slots__ = ("clamp", "mean_s", "weight")
+
+    def __init__(self, *, weight: float = 0.1, clamp: float = 4.0) -> None:
+        self.weight, self.clamp = weight, clamp
+        self.mean_s = 0.0  # 0: no step yet
+
+    def add(self, step_s: float) -> None:
+        """One step's wall time (seconds)."""
+        if self.mean_s == 0.0:
+            self.mean_s = step_s
+            return
+        sample = min(step_s, self.clamp * self.mean_s)
+        self.mean_s += self.weight * (sample - self.mean_s)
+
+    def steps_between(self, interval_s: float) -> int:
+        """Steps to the next agreement this rank wishes for (``ControlChannel.offer``
+        clamps it to 1..``MAX_INTERVAL_STEPS``)."""
+        return int(interval_s / self.mean_s) if self.mean_s > 0 else 1
 
 
 class Stepper:
@@ -56,7 +87,7 @@ class Stepper:
         self.outcome: str | None = None
         self.in_step = False
         self._next_agreement = 1
-        self._ema_step_s = 0.0
+        self._pace = StepPace()
         self._last_compute = 0.0
         self._checkpoint_seq = 0
         self._t0 = self._t1 = 0.0
@@ -137,13 +168,11 @@ class Stepper:
         if want_checkpoint and ckpt is not None and not ending and not self.tainted:
             ckpt.save(step)
         if not ending and step >= self._next_agreement:  # after the save: its step is not due
-            ema = self._ema_step_s
-            proposal = int(self.interval_s / ema) if ema > 0 else 1
-            control.offer(proposal, ckpt is not None and ckpt.locally_due(step))
+            control.offer(self._pace.steps_between(self.interval_s),
+                          ckpt is not None and ckpt.locally_due(step))
         t3 = perf()
         step_s = t3 - self._t0
-        self._ema_step_s = step_s if self._ema_step_s == 0 else (
-            0.9 * self._ema_step_s + 0.1 * step_s)
+        self._pace.add(step_s)
         comm = self.timer.comm_s
         opt = self.timer.opt_s
         compute = max(0.0, (t2 - self._t1) - comm - opt)
