@@ -165,6 +165,26 @@ def hf_turn_callback(turns: Turns) -> Any:
     return TakeTurns()
 
 
+def median_interval(values: Sequence[float], level: float = 0.95
+                    ) -> tuple[float, float] | None:
+    """A distribution-free confidence interval for the median the values were drawn around:
+    the order statistics ``l`` and ``n - l + 1`` (1-based) with the largest ``l`` whose
+    binomial tail ``P(Bin(n, 1/2) <= l - 1)`` stays within ``(1 - level) / 2``; at least
+    ``level`` of such intervals hold the median. None: too few values (fewer than 6 at 95%)."""
+    n = len(values)
+    alpha = (1.0 - level) / 2.0
+    below, lo = 0.0, 0  # below = P(Bin(n, 1/2) <= lo - 1)
+    while lo < n:
+        tail = below + math.comb(n, lo) / 2.0 ** n
+        if tail > alpha:
+            break
+        below, lo = tail, lo + 1
+    if lo == 0:
+        return None
+    ordered = sorted(values)
+    return ordered[lo - 1], ordered[n - lo]
+
+
 def pair_figures(name: str, ours: dict[int, float], peer: dict[int, float], *,
                  ready: float, turns: Turns) -> dict[str, Any]:
     """The ratio figures of two members' turn rates (``ours`` member 0, ``peer`` member 1):
@@ -172,7 +192,9 @@ def pair_figures(name: str, ours: dict[int, float], peer: dict[int, float], *,
     had made their first step (``ready``: a member still starting would load the other's
     turns). ``{name}_ratio`` is the median of the cycles' ratios (each cycle's two turns are
     seconds apart), ``{name}_pooled_ratio`` the ratio of the members' mean rates over those
-    cycles, with the cycles' interquartile range and count."""
+    cycles, with the cycles' interquartile range and count. ``{name}_ratio_ci95``: a 95%
+    interval for the median ratio (:func:`median_interval`); a target is met when its low
+    end is, and missed when its high end is below it (else the run cannot tell)."""
     cycles = [c for c in sorted(set(ours) & set(peer))
               if c >= 1 and turns.start(c * turns.members) >= ready]
     pairs = [ours[c] / peer[c] for c in cycles]
@@ -182,7 +204,9 @@ def pair_figures(name: str, ours: dict[int, float], peer: dict[int, float], *,
         iqr = round(q3 - q1, 4)
     mean_ours = statistics.fmean(ours[c] for c in cycles) if cycles else math.nan
     mean_peer = statistics.fmean(peer[c] for c in cycles) if cycles else math.nan
+    interval = median_interval(pairs)
     return {f"{name}_ratio": round(statistics.median(pairs), 4) if pairs else None,
+            f"{name}_ratio_ci95": None if interval is None else [round(x, 4) for x in interval],
             f"{name}_pooled_ratio": round(mean_ours / mean_peer, 4) if cycles else None,
             f"{name}_pair_iqr": iqr, f"{name}_cycles": len(cycles),
             f"{name}_ours_steps_per_s": round(mean_ours, 2) if cycles else None,

@@ -65,6 +65,27 @@ def test_pair_figures_use_cycles_after_the_first_and_after_both_were_ready() -> 
     assert none["x_ratio"] is None and none["x_cycles"] == 0
 
 
+def test_median_interval_takes_the_order_statistics_of_the_binomial_tail() -> None:
+    # n = 9: P(Bin(9, 1/2) <= 1) = 10/512 <= 0.025 < P(<= 2) = 46/512: the 2nd and 8th.
+    assert turns_mod.median_interval([9, 1, 8, 2, 7, 3, 6, 4, 5]) == (2, 8)
+    # n = 24: P(<= 6) = 0.0113, P(<= 7) = 0.032: the 7th and the 18th (coverage 97.7%).
+    assert turns_mod.median_interval(list(range(24))) == (6, 17)
+    assert turns_mod.median_interval([1.0] * 5) is None  # P(<= 0) = 1/32 > 0.025
+    assert turns_mod.median_interval([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]) == (1.0, 6.0)
+
+
+def test_pair_figures_give_an_interval_for_the_median_ratio() -> None:
+    schedule = Turns(t0=0.0, turn_s=1.0, members=2, turns=12)
+    ours = {c: 9.0 + 0.1 * c for c in range(12)}
+    peer = dict.fromkeys(range(12), 10.0)
+    f = turns_mod.pair_figures("x", ours, peer, ready=0.0, turns=schedule)
+    # cycles 1..11: ratios 0.91 .. 1.01; n = 11: P(<= 1) = 12/2048 <= 0.025 < P(<= 2)
+    assert f["x_cycles"] == 11 and f["x_ratio_ci95"] == [0.92, 1.0]
+    few = turns_mod.pair_figures("x", {0: 1.0, 1: 1.0, 2: 1.0}, {0: 1.0, 1: 1.0, 2: 1.0},
+                                 ready=0.0, turns=Turns(t0=0.0, turn_s=1.0, members=2, turns=3))
+    assert few["x_ratio_ci95"] is None
+
+
 def test_per_step_means_come_from_each_turns_first_and_last_sample() -> None:
     a = SCHEDULE.member(0)
     # Turn 0 (100-102): a step every 0.1 s from 100.05, each 6 ms of CPU, one involuntary
