@@ -67,11 +67,12 @@ class Settings:
     #: After the first rank fails, how long the other ranks get to exit before their tasks are
     #: cancelled and their workers restarted.
     failure_grace_s: float = _POLICY.failure_grace_s
-    #: After ``job.stop()``, how long the ranks get to reach a step boundary, finish the
-    #: checkpoint in flight and commit the final one (each commit waits up to
-    #: ``checkpoint_commit_timeout_s``). Ranks still running then are stopped, their workers
-    #: restarted, and the job ends CANCELLED with the reason saying so. 0: twice the commit
-    #: timeout plus 100 s (300 s at the defaults); set, at least twice the commit timeout.
+    #: After ``job.stop()`` (or a halt, ``on_nonfinite="halt"``), how long the ranks get to
+    #: reach a step boundary, finish the checkpoint in flight and commit the final one (each
+    #: commit waits up to ``checkpoint_commit_timeout_s``). Ranks still running then are
+    #: stopped, their workers restarted, and the job ends CANCELLED (a halt: FAILED) with the
+    #: reason saying so. 0: twice the commit timeout plus 100 s (300 s at the defaults); set,
+    #: at least twice the commit timeout.
     stop_grace_s: float = 0.0
     #: How often a rank on a GPU samples its GPU's health through NVML (clocks, throttle
     #: reasons, temperature, power, ECC, XID) for straggler verdicts; 0 = never. Needs

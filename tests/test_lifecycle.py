@@ -761,6 +761,33 @@ def test_a_nonfinite_metric_is_alerted_once_and_halts_when_asked() -> None:
                                  "resume='latest' to continue from it)")
 
 
+def test_a_halt_whose_ranks_do_not_end_within_the_stop_grace_is_forced_with_its_cause() -> None:
+    """A halt (a NaN metric) ends the job as a stop does, not whenever its ranks please: a
+    rank still running ``stop_grace_s`` after the halt was asked for is stopped, its worker
+    restarted, and the reason says so."""
+    h = Harness()
+    spec = JobSpec(job_id="a", name="job-a", world_size=2, steps=1000, on_nonfinite="halt")
+    h.feed(Submitted, JobSubmission(spec=spec, policy=POLICY))
+    h.committed("a", 0, 4)
+    for rank in (0, 1):
+        row = [5, 0.0, 0.01, 0.0, 0.008, 0.0, 0.002, {"loss": float("nan")}]
+        h.feed(rank_from_wire, "a", {"kind": "steps", "rank": rank, "generation": 0,
+                                     "rows": [row]})
+    assert h.state("a") == "STOPPING"
+    h.exit("a", 0, 1, "halted", 7)  # rank 0 never ends
+    assert h.of(Cancel, h.advance(299)) == [] and h.state("a") == "STOPPING"
+    out = h.advance(2)
+    assert h.of(Cancel, out) == [Cancel("a", 0, (0,))]
+    [restart] = h.of(RestartWorkers, out)
+    assert "of its halt" in restart.reason and "stop_grace_s (300 s)" in restart.reason
+    assert h.state("a") == "FAILED"
+    assert h.reason("a") == ("halted at step 7: loss was nan at step 5 on rank 0; rank(s) 0 "
+                             "had not ended 300 s after the halt (stop_grace_s), so they "
+                             "were stopped and their workers restarted; the newest committed "
+                             "checkpoint is step 4 (resubmit with resume='latest' to "
+                             "continue from it)")
+
+
 def test_a_rank_waiting_for_its_checkpoint_writer_is_not_a_hang_culprit() -> None:
     from nbtrain.core.health import hung_ranks
 

@@ -336,23 +336,27 @@ def generation_ended(job: LiveJob, gen: Generation, *, now: float, avoid: frozen
         last = (f"the newest committed checkpoint is step {job.committed_step} (resubmit "
                 "with resume='latest' to continue from it)"
                 if job.committed_step else "no checkpoint was committed before it")
-        return EndJob(JobState.FAILED, f"halted at step {step}: {job.halt_reason}; {last}")
+        return EndJob(JobState.FAILED, f"halted at step {step}: {job.halt_reason}"
+                                       f"{_stop_forced(job, gen, 'halt')}; {last}")
     if outcomes == {"completed"}:
         return EndJob(JobState.SUCCEEDED, f"completed {step} steps", finished=True)
     return EndJob(JobState.CANCELLED, f"stopped at step {step} (outcomes: {sorted(outcomes)})",
                   finished=True)
 
 
-def _stop_forced(job: LiveJob, gen: Generation) -> str:
-    """What the reason of a stop adds when its grace ran out ("" when every rank ended)."""
+def _stop_forced(job: LiveJob, gen: Generation, what: str = "stop request") -> str:
+    """What the reason of a stop (or a halt) adds when its grace ran out ("" when every
+    rank ended); a halt's reason names the checkpoint itself."""
     if not gen.stop_forced:
         return ""
     ranks = ", ".join(str(r) for r in gen.stop_forced)
+    forced = (f"; rank(s) {ranks} had not ended {job.sub.policy.stop_grace_s:g} s after the "
+              f"{what} (stop_grace_s), so they were stopped and their workers restarted")
+    if what != "stop request":
+        return forced
     last = (f"the newest committed checkpoint is step {job.committed_step}"
             if job.committed_step else "no checkpoint was committed")
-    return (f"; rank(s) {ranks} had not ended {job.sub.policy.stop_grace_s:g} s after the "
-            f"stop request (stop_grace_s), so they were stopped and their workers restarted; "
-            f"{last}")
+    return f"{forced}; {last}"
 
 
 def _preempted(job: LiveJob, gen: Generation, step: int, now: float, avoid: frozenset[str],

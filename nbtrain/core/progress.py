@@ -125,7 +125,7 @@ def _steps(job: LiveJob, gen: Generation, rank: int, rows: Sequence[Sequence[Any
            now: float, out: Outbox) -> None:
     """Step rows of ``rank`` of the current generation ``gen``."""
     gen.watch.progressed(now)
-    _check_finite(job, gen, rank, rows, out)
+    _check_finite(job, gen, rank, rows, now, out)
     if rank == 0 and rows:
         for row in rows:
             job.ledger.step(int(row[0]), float(row[2]))
@@ -174,9 +174,10 @@ def _finish_recovery(job: LiveJob, gen: Generation, rows: Sequence[Sequence[Any]
 
 
 def _check_finite(job: LiveJob, gen: Generation, rank: int, rows: Sequence[Sequence[Any]],
-                  out: Outbox) -> None:
+                  now: float, out: Outbox) -> None:
     """A NaN or infinite metric is news at once; with ``on_nonfinite="halt"`` the job
-    stops without checkpointing the bad state."""
+    stops without checkpointing the bad state. A halt gets ``stop_grace_s`` as a stop
+    does: ranks still running then are stopped (``JobMachine._tick_job``)."""
     for row in rows:
         metrics = row[METRICS_AT] if len(row) > METRICS_AT else None
         if not isinstance(metrics, dict):
@@ -191,6 +192,8 @@ def _check_finite(job: LiveJob, gen: Generation, rank: int, rows: Sequence[Seque
                 generation=gen.number, halting=halting))
             if halting and gen.control.get("halt", 0) == 0:
                 job.halt_reason = f"{name} was {value} at step {int(row[0])} on rank {rank}"
+                if job.stop_deadline is None:
+                    job.stop_deadline = now + job.sub.policy.stop_grace_s
                 out.set_control(job, halt=1)
                 out.set_state(job, JobState.STOPPING,
                               f"halting: {job.halt_reason}; stopping without a checkpoint, "

@@ -334,7 +334,8 @@ class Cluster:
           ``"auto"`` (GPU slots if the cluster has any, else CPU slots).
         - ``on_nonfinite``: a NaN or infinite reported metric raises an alert (``"alert"``),
           or also stops the job with nothing checkpointed from that step on (``"halt"``:
-          the newest committed checkpoint stays the last good state; FAILED).
+          the newest committed checkpoint stays the last good state; FAILED; ranks still
+          running ``stop_grace_s`` after the halt are stopped, as after ``job.stop()``).
         - ``trackers``: ``"tensorboard:LOGDIR"``, ``"mlflow:TRACKING_URI"`` (e.g.
           ``mlflow:file:///home/me/mlruns``): the controller writes every step's metrics
           and phase times, checkpoints and faults there (it must reach the target);
