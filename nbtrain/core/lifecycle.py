@@ -588,11 +588,9 @@ class JobMachine:
         elif (job.stop_deadline is not None and self.now > job.stop_deadline
               and not gen.failing):
             gen.stop_forced = gen.unfinished()
-            halt = not job.stop_requested  # the deadline of a halt (a NaN metric)
+            what, end = ("stop request", "stopped") if job.stop_requested else ("halt", "halted")
             self._force_off(job, gen, f"did not end within stop_grace_s "
-                                      f"({job.sub.policy.stop_grace_s:g} s) of its "
-                                      f"{'halt' if halt else 'stop request'}",
-                            "halted" if halt else "stopped")
+                                      f"({job.sub.policy.stop_grace_s:g} s) of its {what}", end)
         else:
             self._watch(job, gen)
 
