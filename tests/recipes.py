@@ -127,6 +127,16 @@ def dataloader_workers() -> int:
                if child.status() != psutil.STATUS_ZOMBIE)
 
 
+def dataloader_processes() -> list[int]:
+    """Run on a Dask worker: the pids of its fork servers and their children (its DataLoader
+    worker processes)."""
+    import psutil
+
+    servers = [p for p in psutil.Process().children()
+               if "forkserver" in " ".join(p.cmdline())]
+    return [p.pid for server in servers for p in (server, *server.children())]
+
+
 def what_the_worker_sees() -> tuple[int, str]:
     """Run on a worker: how many CUDA devices it sees, and the UUID of its ``cuda:0``."""
     return torch.cuda.device_count(), str(torch.cuda.get_device_properties(0).uuid)

@@ -17,10 +17,11 @@ import nbtrain
 from nbtrain import JobState, Settings
 from nbtrain.accounting import account
 from nbtrain.engine.standalone import standalone_cluster
-from tests.conftest import wait_for
+from tests.conftest import process_gone, wait_for
 from tests.recipes import (
     ElasticRegression,
     assert_params_equal,
+    dataloader_processes,
     dataloader_workers,
     elastic_train,
     per_rank_batch_train,
@@ -154,8 +155,17 @@ def test_lost_worker_shrinks_the_job_and_it_grows_back_with_dataloader_workers(
                            world_size=2, min_size=1, steps=10**6, checkpoint=5,
                            name="elastic")
             wait_for(lambda: job.step >= 10, 180, "training at 2 ranks")
+            [victim_address] = [a for a, w in c.client.scheduler_info()["workers"].items()
+                                if str(w["name"]) in ("b", "b-0")]
+            loaders = c.client.run(dataloader_processes, workers=[victim_address])
+            [left] = loaders.values()
+            assert len(left) == 3, left  # the fork server and two loader workers
             os.killpg(victim.pid, signal.SIGKILL)
             _wait_resized(job, 1, 1)
+            # They follow the killed rank (its worker is in a session of its own: the kill
+            # of the nanny's group does not reach them).
+            wait_for(lambda: all(process_gone(pid) for pid in left), 60,
+                     "the killed rank's DataLoader workers and fork server to exit")
             lost = _resizes(job, "started")[-1]
             assert "1 of 2 ranks fit now" in lost["reason"], lost
             [fault] = job.faults

@@ -13,8 +13,12 @@ your own cluster set it too (``DASK_DISTRIBUTED__WORKER__DAEMON=False`` for the 
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
+import os
 import pickle
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -141,7 +145,8 @@ class ShardedLoader:
                 num_workers=self.num_workers,
                 collate_fn=_ByValue(self.collate_fn),
                 prefetch_factor=self.prefetch_factor,
-                multiprocessing_context=_worker_context())
+                multiprocessing_context=_worker_context(),
+                worker_init_fn=functools.partial(follow_rank, *_this_process()))
             try:
                 self._prefetch = iter(loader)
             except (TypeError, AttributeError, pickle.PicklingError) as exc:
@@ -199,6 +204,42 @@ def _worker_context() -> Any:
         context.set_forkserver_preload(["torch"])
         return context
     return multiprocessing.get_context("spawn")
+
+
+#: How often a DataLoader worker checks that the rank that started it still runs (seconds).
+RANK_WATCH_S = 2.0
+
+
+def _this_process() -> tuple[int, float]:
+    """This process's pid and start time (a pid alone may be reused)."""
+    import psutil
+
+    return os.getpid(), psutil.Process().create_time()
+
+
+def follow_rank(pid: int, created: float, worker_id: int) -> None:
+    """``worker_init_fn`` of nbtrain's DataLoader workers: end the worker once the rank's
+    process (``pid``, started at ``created``) is gone.
+
+    Without it a rank that died (a kill, an OOM, its worker's nanny killed) left its loader
+    workers and their fork server running for good: torch's own watchdog in a worker watches
+    the worker's parent, which is the fork server, and every client of a fork server (its
+    children too) holds the pipe whose end tells the server to exit."""
+    def watch() -> None:
+        import psutil
+
+        while True:
+            time.sleep(RANK_WATCH_S)
+            try:
+                alive = psutil.Process(pid).create_time() == created
+            except psutil.NoSuchProcess:  # a zombie too: it has exited
+                alive = False
+            except psutil.Error:  # cannot tell (access denied): keep going
+                alive = True
+            if not alive:
+                os._exit(0)
+
+    threading.Thread(target=watch, name="nbtrain-follow-rank", daemon=True).start()
 
 
 class _ByValue:
