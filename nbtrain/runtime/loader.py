@@ -232,7 +232,7 @@ def follow_rank(pid: int, created: float, worker_id: int) -> None:
             time.sleep(RANK_WATCH_S)
             try:
                 alive = psutil.Process(pid).create_time() == created
-            except psutil.NoSuchProcess:  # a zombie too: it has exited
+            except psutil.NoSuchProcess:  # gone (a zombie counts until it is reaped)
                 alive = False
             except psutil.Error:  # cannot tell (access denied): keep going
                 alive = True
