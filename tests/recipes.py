@@ -116,25 +116,27 @@ def assert_params_equal(out_dir: str | Path, expected: dict[str, torch.Tensor],
             torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6)
 
 
-def dataloader_workers() -> int:
-    """Run on a Dask worker: how many DataLoader worker processes it has (the children of
-    its fork server, where ``nbtrain.runtime.loader`` starts them)."""
+def _fork_servers() -> list[Any]:
+    """This process's fork servers (``psutil.Process``): where ``nbtrain.runtime.loader``
+    starts DataLoader worker processes."""
     import psutil
 
-    servers = [p for p in psutil.Process().children()
-               if "forkserver" in " ".join(p.cmdline())]
-    return sum(1 for server in servers for child in server.children()
+    return [p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())]
+
+
+def dataloader_workers() -> int:
+    """Run on a Dask worker: how many DataLoader worker processes it has (the children of
+    its fork server)."""
+    import psutil
+
+    return sum(1 for server in _fork_servers() for child in server.children()
                if child.status() != psutil.STATUS_ZOMBIE)
 
 
 def dataloader_processes() -> list[int]:
     """Run on a Dask worker: the pids of its fork servers and their children (its DataLoader
     worker processes)."""
-    import psutil
-
-    servers = [p for p in psutil.Process().children()
-               if "forkserver" in " ".join(p.cmdline())]
-    return [p.pid for server in servers for p in (server, *server.children())]
+    return [p.pid for server in _fork_servers() for p in (server, *server.children())]
 
 
 def what_the_worker_sees() -> tuple[int, str]:
